@@ -1,0 +1,107 @@
+"""The command-line tools, run as a user runs them: exit codes, one-line errors, files they write."""
+
+import json
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args, check=True):
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{args} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tools") / "synth"
+    run("tools/make_synthetic.py", "--out", str(out), "--grid", "32", "32", "4", "--train-scenes", "3",
+        "--val-scenes", "1", "--frames", "14", "--format", "mixed", "--scenes-per-shard", "2")
+    return out
+
+
+def read_png(path: Path) -> np.ndarray:
+    """Decode our own PNGs (8-bit RGB, filter 0) to check what was drawn."""
+    b = path.read_bytes()
+    assert b[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, w, h = 8, b"", None, None
+    while pos < len(b):
+        n = int.from_bytes(b[pos:pos + 4], "big")
+        tag, body = b[pos + 4:pos + 8], b[pos + 8:pos + 8 + n]
+        assert zlib.crc32(tag + body) == int.from_bytes(b[pos + 8 + n:pos + 12 + n], "big")
+        if tag == b"IHDR":
+            w, h = int.from_bytes(body[:4], "big"), int.from_bytes(body[4:8], "big")
+        elif tag == b"IDAT":
+            idat += body
+        pos += 12 + n
+    raw = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(h, 1 + 3 * w)
+    assert (raw[:, 0] == 0).all()
+    return raw[:, 1:].reshape(h, w, 3)
+
+
+def test_inspect_summary_verify_and_pictures(data, tmp_path):
+    p = run("tools/inspect_data.py", str(data), "--verify", "--png", str(tmp_path), "--window", "2",
+            "--past", "3", "--future", "2", "--scale", "1")
+    assert "32 x 32 x 4" in p.stdout and "verify: 3/3 shards match" in p.stdout
+    lines = {ln.split()[0]: ln.split() for ln in p.stdout.splitlines() if ln.startswith(("train ", "val "))}
+    assert lines["train"][1:5] == ["2", "hdf5,memmap", "3", "42"] and lines["val"][3:5] == ["1", "14"]
+    assert "driveable_surface" in p.stdout
+    frame = read_png(tmp_path / "frame.png")
+    assert frame.shape == (32, 32, 3)
+    window = read_png(tmp_path / "window.png")
+    assert window.shape[0] == 32 and window.shape[1] > 5 * 32  # 5 panels and the past|future gap
+    # the picture is the window's last past frame, in the Occ3D colours
+    from wm.config import DataConfig
+    from wm.data import OccWindows
+    from wm.viz import bev
+
+    ds = OccWindows(data, "train", DataConfig(grid=(32, 32, 4), past=3, future=2))
+    assert np.array_equal(frame, bev(ds[2]["occ"][2].numpy(), 18, 17))
+
+
+def test_verify_names_a_corrupt_shard_and_exits_1(data, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(data, bad)
+    shard = bad / "train-00000.h5"
+    b = bytearray(shard.read_bytes())
+    b[len(b) // 2] ^= 0xFF
+    shard.write_bytes(bytes(b))
+    p = run("tools/inspect_data.py", str(bad), "--verify", "--sample", "1", check=False)
+    assert p.returncode == 1
+    assert "CORRUPT" in p.stdout and "train-00000.h5" in p.stdout and "verify: 2/3" in p.stdout
+
+
+def test_errors_are_one_line_and_nothing_is_written_over(data, tmp_path):
+    p = run("tools/inspect_data.py", str(tmp_path / "nope"), check=False)
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and "nope" in p.stderr and "does not exist" in p.stderr
+    before = (data / "manifest.json").read_bytes()
+    p = run("tools/make_synthetic.py", "--out", str(data), "--grid", "32", "32", "4", check=False)
+    assert p.returncode == 2 and "already holds a data set" in p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("error:")
+    assert (data / "manifest.json").read_bytes() == before
+    p = run("tools/inspect_data.py", str(data), "--png", str(tmp_path), "--split", "test", check=False)
+    assert p.returncode == 2 and "no shards in split 'test'" in p.stderr and "train, val" in p.stderr
+
+
+def test_bench_data_writes_figures(tmp_path):
+    out = tmp_path / "bench.json"
+    p = run("tools/bench_data.py", "--grid", "16", "16", "4", "--scenes", "2", "--frames", "14",
+            "--windows", "10", "--workers", "0", "--layouts", "hdf5-zstd3", "memmap", "--json", str(out))
+    d = json.loads(out.read_text())
+    assert set(d["layouts"]) == {"hdf5-zstd3", "memmap", "npz"}
+    for r in d["layouts"].values():
+        assert r["windows_per_s"] > 0 and r["bytes_per_frame"] > 0
+    # memmap is raw: 16*16*4 occ + 128 pose + 8 timestamp bytes per frame, plus headers and the
+    # small fields spread over 28 frames (under 100 bytes a frame)
+    assert 1024 + 136 <= d["layouts"]["memmap"]["bytes_per_frame"] < 1024 + 136 + 100
+    assert "memmap" in p.stdout and "npz" in p.stdout

@@ -1,0 +1,115 @@
+"""Look at a data set: what is in it, whether it is intact, and what its frames look like.
+
+    python tools/inspect_data.py DATA                      # summary: scenes, frames, grid, classes, bytes
+    python tools/inspect_data.py DATA --verify             # + recompute every shard's sha256
+    python tools/inspect_data.py DATA --png out/           # + out/frame.png and out/window.png
+    python tools/inspect_data.py DATA --png out/ --split val --window 12 --past 5 --future 6
+
+The pictures are top-down: each (x, y) column shows the class of its highest occupied voxel in
+the Occ3D colours (x forward to the right, y to the left upwards); white is free. The window
+picture shows past frames, a gap, then the future frames.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from wm.config import DataConfig  # noqa: E402
+from wm.data import OccWindows  # noqa: E402
+from wm.errors import DataError, run_cli  # noqa: E402
+from wm.shards import MANIFEST, Shard, load_manifest, verify  # noqa: E402
+from wm.viz import bev, palette, tile, write_png  # noqa: E402
+
+
+def class_histogram(shards: list[Shard], num_classes: int, sample: int) -> tuple[np.ndarray, int]:
+    """Voxel counts per class over `sample` frames spread evenly over the shards (all if 0)."""
+    total = sum(s.num_frames for s in shards)
+    picks = np.arange(total) if not sample or sample >= total else \
+        np.linspace(0, total - 1, sample).round().astype(np.int64)
+    starts = np.cumsum([0] + [s.num_frames for s in shards])
+    hist = np.zeros(num_classes, np.int64)
+    for g in picks:
+        sid = int(np.searchsorted(starts, g, side="right") - 1)
+        frame = shards[sid].read("occ", int(g - starts[sid]), int(g - starts[sid]) + 1)
+        hist += np.bincount(frame.ravel(), minlength=num_classes)[:num_classes]
+    return hist, len(picks)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("root", help="data set folder (holds manifest.json)")
+    ap.add_argument("--verify", action="store_true", help="recompute every shard's sha256")
+    ap.add_argument("--sample", type=int, default=256,
+                    help="frames read for the class histogram (0 = all)")
+    ap.add_argument("--png", metavar="DIR", help="write frame.png and window.png into DIR")
+    ap.add_argument("--split", default="train")
+    ap.add_argument("--window", type=int, default=0, help="window index to draw")
+    ap.add_argument("--past", type=int, default=5)
+    ap.add_argument("--future", type=int, default=6)
+    ap.add_argument("--stride", type=int, default=1)
+    ap.add_argument("--scale", type=int, default=0, help="pixels per voxel (0: automatic)")
+    a = ap.parse_args(argv)
+
+    m = load_manifest(a.root)
+    info = m.info
+    print(f"data set  {m.root}  ({MANIFEST} fingerprint {m.fingerprint[:16]})")
+    print(f"grid      {' x '.join(map(str, info.grid))} voxels of {' x '.join(f'{v:g}' for v in info.voxel_size)} m,"
+          f" range {list(info.range)}, {info.frame_rate_hz:g} Hz, masks: {'yes' if info.has_mask else 'no'}")
+    print(f"classes   {info.num_classes} (free = {info.free_class} '{info.class_names[info.free_class]}')")
+    splits = sorted({s["split"] for s in m.shards})
+    all_shards = []
+    print(f"{'split':<8}{'shards':>7}{'kinds':>14}{'scenes':>8}{'frames':>9}{'MiB':>10}{'B/frame':>10}{'vs raw':>8}")
+    raw = int(np.prod(info.grid)) * (2 if info.has_mask else 1)
+    for sp in splits:
+        es = m.split(sp)
+        shards = [Shard(m.root, e, info) for e in es]
+        all_shards += shards
+        frames = sum(s.num_frames for s in shards)
+        size = sum(e["bytes"] for e in es)
+        kinds = ",".join(sorted({e["kind"] for e in es}))
+        print(f"{sp:<8}{len(es):>7}{kinds:>14}{sum(e['scenes'] for e in es):>8}{frames:>9}"
+              f"{size / 2**20:>10.1f}{size / frames:>10.0f}{raw * frames / size:>7.1f}x")
+    hist, n = class_histogram(all_shards, info.num_classes, a.sample)
+    frac = hist / max(1, hist.sum())
+    print(f"class histogram over {n} frames (free fraction {frac[info.free_class]:.3f}):")
+    pal = palette(info.num_classes, info.free_class)
+    for c in np.argsort(-hist):
+        if hist[c]:
+            print(f"  {c:>3} {info.class_names[c]:<22}{frac[c] * 100:>8.3f} %   rgb{tuple(int(v) for v in pal[c])}")
+
+    status = 0
+    if a.verify:
+        problems = verify(m.root)
+        for p in problems:
+            print(f"CORRUPT {p}")
+        print(f"verify: {len(m.shards) - len(problems)}/{len(m.shards)} shards match the manifest")
+        status = 1 if problems else 0
+
+    if a.png:
+        out = Path(a.png)
+        out.mkdir(parents=True, exist_ok=True)
+        cfg = DataConfig(root=str(m.root), grid=info.grid, num_classes=info.num_classes,
+                         free_class=info.free_class, past=a.past, future=a.future, stride=a.stride,
+                         train_split=a.split)
+        ds = OccWindows(m.root, a.split, cfg)
+        if not 0 <= a.window < len(ds):
+            raise DataError(f"--window {a.window}: split {a.split!r} has {len(ds)} windows")
+        occ = ds[a.window]["occ"].numpy()
+        scale = a.scale or max(1, 400 // max(info.grid[:2]))
+        pics = [bev(f, info.num_classes, info.free_class) for f in occ]
+        write_png(out / "frame.png", tile([pics[a.past - 1]], scale=scale))
+        gap = np.full((pics[0].shape[0], max(2, pics[0].shape[1] // 8), 3), 128, np.uint8)
+        write_png(out / "window.png", tile(pics[:a.past] + [gap] + pics[a.past:], scale=scale))
+        sh, first, _ = ds.locate(a.window)
+        print(f"wrote {out / 'frame.png'} (last past frame) and {out / 'window.png'} "
+              f"({a.past} past | {a.future} future) of window {a.window}: {sh.path.name} frames "
+              f"{first}..{first + cfg.span - 1} step {a.stride}")
+    return status
+
+
+if __name__ == "__main__":
+    run_cli(main)

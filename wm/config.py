@@ -1,0 +1,334 @@
+"""Configs: nested dataclasses with defaults, strict JSON loading and `--set a.b=value` overrides.
+
+Every key a user writes is checked: an unknown key names its full path and the closest valid one,
+a wrong type names the key, the type wanted and the value given, and each section's `validate()`
+says why a value is refused. The resolved config is written back as JSON and loads to an equal
+object, so a run folder's `config.json` reproduces the run.
+
+Field types understood: int, float, str, bool, Optional[...], tuple[int, ...] / tuple[float, ...],
+list[str], and nested dataclasses (sections). Tuples are lists in JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from wm.errors import ConfigError
+
+META_KEY = "meta"  # written by wm beside the sections (fingerprint, versions); ignored on load
+
+# ---------------------------------------------------------------------------------------------
+# sections
+
+
+@dataclass
+class RunConfig:
+    name: str = "demo"  # the run folder is <out_dir>/<name>
+    out_dir: str = "runs"
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not self.name or "/" in self.name or self.name in (".", ".."):
+            raise ConfigError("name", f"{self.name!r} must be a plain folder name (no '/')")
+
+
+@dataclass
+class DataConfig:
+    # A data set is a folder with manifest.json (wm/shards.py). Empty: the built-in synthetic
+    # scenes (section `synthetic`), generated once into a cache folder.
+    root: str = ""
+    train_split: str = "train"
+    val_split: str = "val"
+    # What the data must be; checked against the manifest before anything trains, so a
+    # class-count or grid mismatch is found in the first second, not after hours.
+    grid: tuple[int, ...] = (64, 64, 8)
+    num_classes: int = 18
+    free_class: int = 17
+    # Windows: `past` frames in, `future` frames to forecast, every `stride`-th frame of a scene;
+    # a window starts at every `window_step`-th frame.
+    past: int = 5
+    future: int = 6
+    stride: int = 1
+    window_step: int = 1
+    use_mask: bool = False  # return the visibility mask (the manifest must have one)
+    max_windows: int = 0  # >0: use only this many windows (evenly spread) per split, for smoke runs
+    # Loader. batch_size is per rank.
+    batch_size: int = 8
+    num_workers: int = 2
+    prefetch_factor: int = 4
+    pin_memory: bool = True
+    persistent_workers: bool = True
+    # HDF5 chunk cache per open dataset, per worker. One chunk is one frame, and random windows
+    # never re-read a frame, so a large cache only costs memory (it grows per worker).
+    h5_cache_mib: float = 1.0
+
+    @property
+    def window(self) -> int:
+        """Frames per sample."""
+        return self.past + self.future
+
+    @property
+    def span(self) -> int:
+        """Consecutive scene frames one window covers."""
+        return (self.window - 1) * self.stride + 1
+
+    def validate(self) -> None:
+        if len(self.grid) != 3 or min(self.grid) < 1:
+            raise ConfigError("grid", f"{list(self.grid)} must be three positive sizes [X, Y, Z]")
+        if self.grid[0] % 4 or self.grid[1] % 4:
+            raise ConfigError("grid", f"{list(self.grid)}: X and Y must be divisible by 4 "
+                              "(the tokenizer downsamples twice by 2)")
+        if not 2 <= self.num_classes <= 256:
+            raise ConfigError("num_classes", f"{self.num_classes} must be in [2, 256] (labels are uint8)")
+        if not 0 <= self.free_class < self.num_classes:
+            raise ConfigError("free_class", f"{self.free_class} must be a class id in [0, {self.num_classes})")
+        for k in ("past", "future", "stride", "window_step", "batch_size", "prefetch_factor"):
+            if getattr(self, k) < 1:
+                raise ConfigError(k, f"{getattr(self, k)} must be >= 1")
+        for k in ("num_workers", "max_windows"):
+            if getattr(self, k) < 0:
+                raise ConfigError(k, f"{getattr(self, k)} must be >= 0")
+        if self.h5_cache_mib < 0:
+            raise ConfigError("h5_cache_mib", f"{self.h5_cache_mib} must be >= 0")
+        if self.train_split == self.val_split:
+            raise ConfigError("val_split", f"{self.val_split!r} is also the train split; "
+                              "validating on training windows hides overfitting")
+
+
+@dataclass
+class SyntheticConfig:
+    """The built-in procedural driving scenes (wm/synthetic.py), used when data.root is empty."""
+
+    train_scenes: int = 24
+    val_scenes: int = 6
+    frames: int = 40  # per scene (nuScenes scenes have ~40 at 2 Hz)
+    seed: int = 0
+    format: str = "hdf5"  # hdf5 | memmap
+    compression: str = "zstd3"  # HDF5 only: see wm.shards.COMPRESSIONS (zstd needs hdf5plugin)
+    with_mask: bool = True
+    # Generated once, into <cache_dir>/<hash of these settings>. Empty: $WM_CACHE or ~/.cache/wm.
+    cache_dir: str = ""
+
+    def validate(self) -> None:
+        from wm.shards import COMPRESSIONS, KINDS
+
+        if self.train_scenes < 1:
+            raise ConfigError("train_scenes", f"{self.train_scenes} must be >= 1")
+        if self.val_scenes < 1:
+            raise ConfigError("val_scenes", f"{self.val_scenes} must be >= 1 (validation needs scenes)")
+        if self.frames < 2:
+            raise ConfigError("frames", f"{self.frames} must be >= 2")
+        if self.format not in KINDS:
+            raise ConfigError("format", f"{self.format!r} must be one of {list(KINDS)}")
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError("compression", f"{self.compression!r} must be one of {list(COMPRESSIONS)}")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+    def validate(self) -> "Config":
+        """Validate every section, then what spans sections. Returns self."""
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            try:
+                section.validate()
+            except ConfigError as e:
+                raise e.under(f.name) from None
+        if not self.data.root and self.data.span > self.synthetic.frames:
+            raise ConfigError("data.past", f"a window of {self.data.window} frames at stride "
+                              f"{self.data.stride} spans {self.data.span} frames, longer than the "
+                              f"synthetic scenes (synthetic.frames={self.synthetic.frames})")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# generic machinery: dict <-> dataclass, overrides
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is None:
+        return getattr(tp, "__name__", str(tp))
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in args)
+    return f"{origin.__name__}[{', '.join('...' if a is Ellipsis else _type_name(a) for a in args)}]"
+
+
+def _coerce(value: Any, tp, key: str) -> Any:
+    """A JSON value as field type `tp`, or ConfigError naming key, expected type and value."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):  # Optional[X]
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key)
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        elem = args[0] if args else Any
+        items = [_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(key, f"{value!r} is not a finite number")
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is Any:
+        return value
+    raise ConfigError(key, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def _all_keys(cls, prefix: str = "") -> list[str]:
+    keys = []
+    for name, tp in _hints(cls).items():
+        full = f"{prefix}{name}"
+        keys.append(full)
+        if dataclasses.is_dataclass(tp):
+            keys.extend(_all_keys(tp, full + "."))
+    return keys
+
+
+def _unknown(key: str, root_cls) -> ConfigError:
+    close = difflib.get_close_matches(key, _all_keys(root_cls), n=1, cutoff=0.6)
+    if not close:  # a misspelt leaf under the right section, e.g. data.bach_size
+        leaf = key.rsplit(".", 1)[-1]
+        close = [k for k in _all_keys(root_cls)
+                 if difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1]], cutoff=0.75)][:1]
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return ConfigError(key, f"unknown key{hint}")
+
+
+def from_dict(cls, d: Any, prefix: str = "", root_cls=None):
+    """Build dataclass `cls` from a (JSON) dict, refusing unknown keys and wrong types."""
+    root_cls = root_cls or cls
+    if not isinstance(d, dict):
+        raise ConfigError(prefix.rstrip(".") or "<root>", f"expected an object of keys, got {d!r}")
+    hints = _hints(cls)
+    kwargs = {}
+    for k, v in d.items():
+        if k not in hints:
+            raise _unknown(f"{prefix}{k}", root_cls)
+        tp = hints[k]
+        if dataclasses.is_dataclass(tp):
+            kwargs[k] = from_dict(tp, v, f"{prefix}{k}.", root_cls)
+        else:
+            kwargs[k] = _coerce(v, tp, f"{prefix}{k}")
+    return cls(**kwargs)
+
+
+def to_dict(cfg) -> dict:
+    """The config as plain JSON types (tuples become lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def _parse_raw(raw: str, tp) -> Any:
+    """A command-line string as a JSON value of (roughly) the field's type, for _coerce to check."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if raw.lower() in ("none", "null"):
+            return None
+        tp = [a for a in args if a is not type(None)][0]
+        origin = typing.get_origin(tp)
+    if tp is str:
+        return raw
+    if tp is bool:
+        low = raw.lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        return raw  # _coerce names it as a wrong type
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        if origin in (tuple, list):  # a,b,c
+            return [_parse_raw(p.strip(), typing.get_args(tp)[0]) for p in raw.split(",") if p.strip()]
+        return raw
+
+
+def apply_override(cfg, item: str) -> None:
+    """Apply one `a.b=value` override in place."""
+    if "=" not in item:
+        raise ConfigError(item, "an override must look like section.key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    obj, parts = cfg, key.split(".")
+    for i, part in enumerate(parts):
+        hints = _hints(type(obj))
+        if part not in hints:
+            raise _unknown(key, type(cfg))
+        tp = hints[part]
+        if i == len(parts) - 1:
+            if dataclasses.is_dataclass(tp):
+                raise ConfigError(key, "is a section; set one of its keys, e.g. "
+                                  f"{key}.{next(iter(_hints(tp)))}=...")
+            setattr(obj, part, _coerce(_parse_raw(raw, tp), tp, key))
+        else:
+            if not dataclasses.is_dataclass(tp):
+                raise _unknown(key, type(cfg))
+            obj = getattr(obj, part)
+
+
+def load(path: Optional[str | os.PathLike] = None, overrides: tuple[str, ...] | list[str] = (),
+         cls=Config):
+    """Defaults, then the JSON file (if any), then the overrides; validated."""
+    d: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError("--cfg", f"config file {p} does not exist")
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError("--cfg", f"{p} is not valid JSON: {e}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError("--cfg", f"cannot read {p}: {e}") from None
+    if isinstance(d, dict):
+        d.pop(META_KEY, None)
+    try:
+        cfg = from_dict(cls, d)
+    except ConfigError as e:
+        raise ConfigError(e.key, f"{e.msg} (in {path})" if path is not None else e.msg) from None
+    for item in overrides:
+        apply_override(cfg, item)
+    return cfg.validate()
+
+
+def save(cfg, path: str | os.PathLike, meta: Optional[dict] = None) -> None:
+    """Write the resolved config as JSON, atomically. `meta` (data fingerprint, versions, git
+    commit...) goes under the top-level key "meta", which `load` ignores: the file loads back to
+    an equal config."""
+    d = to_dict(cfg)
+    if meta:
+        d[META_KEY] = meta
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(d, indent=2) + "\n")
+    os.replace(tmp, p)

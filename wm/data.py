@@ -1,0 +1,208 @@
+"""Windows over scenes, the resumable distributed sampler, and DataLoader wiring.
+
+A sample is `past + future` frames of one scene taken every `stride`-th frame: occupancy uint8
+(T, X, Y, Z) (kept uint8 all the way to the GPU; convert there), ego motion (T, 3) = (x, y, yaw)
+of each frame relative to the last past frame, and optionally the visibility mask. The window index
+is built from the shards' `scene_offsets` alone, so start-up does not grow with the data.
+
+The sampler deals one global permutation per (seed, epoch): rank r takes every world_size-th
+index. Its state is (epoch, samples consumed globally), so a resume, even on another number of
+ranks, continues with exactly the samples that were not yet consumed, in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from wm.config import DataConfig
+from wm.errors import DataError
+from wm.shards import Manifest, Shard, open_split
+
+
+def check_against_config(m: Manifest, cfg: DataConfig) -> None:
+    """Refuse a data set whose grid, classes or mask disagree with the config (before training)."""
+    src = m.root / "manifest.json"
+    if tuple(m.info.grid) != tuple(cfg.grid):
+        raise DataError(f"{src}: grid {list(m.info.grid)} but data.grid is {list(cfg.grid)}; "
+                        "set data.grid to match the data")
+    if m.info.num_classes != cfg.num_classes:
+        raise DataError(f"{src}: {m.info.num_classes} classes but data.num_classes is "
+                        f"{cfg.num_classes}; set data.num_classes to match the data")
+    if m.info.free_class != cfg.free_class:
+        raise DataError(f"{src}: free class is {m.info.free_class} but data.free_class is "
+                        f"{cfg.free_class}; set data.free_class to match the data")
+    if cfg.use_mask and not m.info.has_mask:
+        raise DataError(f"{src}: the data set has no visibility masks but data.use_mask is true")
+
+
+def window_index(shards: list[Shard], span: int, step: int = 1) -> np.ndarray:
+    """(N, 2) int64 rows (shard id, first frame) of every window covering `span` consecutive frames
+    inside one scene, starting every `step` frames; from scene offsets only, no frame reads."""
+    rows = []
+    for sid, sh in enumerate(shards):
+        o = sh.scene_offsets
+        starts, lens = o[:-1], np.diff(o)
+        counts = np.maximum(0, (lens - span) // step + 1)  # windows per scene
+        if counts.sum() == 0:
+            continue
+        scene = np.repeat(np.arange(len(counts)), counts)
+        # position of each window inside its scene: 0, step, 2*step... restarting per scene
+        within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        first = starts[scene] + within * step
+        rows.append(np.stack([np.full_like(first, sid), first], 1))
+    return np.concatenate(rows) if rows else np.zeros((0, 2), np.int64)
+
+
+def relative_motion(poses: np.ndarray, ref: int) -> np.ndarray:
+    """(T, 4, 4) ego->global poses -> (T, 3) float32 (x, y, yaw) of each frame in the frame of
+    pose[ref] (metres, radians in (-pi, pi])."""
+    rel = np.linalg.inv(poses[ref])[None] @ poses
+    yaw = np.arctan2(rel[:, 1, 0], rel[:, 0, 0])
+    return np.stack([rel[:, 0, 3], rel[:, 1, 3], yaw], 1).astype(np.float32)
+
+
+class OccWindows(Dataset):
+    """The windows of one split of a data set; items are dicts of tensors:
+    `occ` uint8 (T, X, Y, Z), `motion` float32 (T, 3), `mask` uint8 (T, X, Y, Z) if
+    data.use_mask, `index` int64 (the window's index, for per-sample randomness and debugging)."""
+
+    def __init__(self, root: str | os.PathLike, split: str, cfg: DataConfig):
+        self.cfg, self.split = cfg, split
+        self.manifest, self.shards = open_split(root, split, int(cfg.h5_cache_mib * 2**20))
+        check_against_config(self.manifest, cfg)
+        self.index = window_index(self.shards, cfg.span, cfg.window_step)
+        if len(self.index) == 0:
+            longest = max(int(np.diff(s.scene_offsets).max()) for s in self.shards)
+            raise DataError(f"{self.manifest.root / 'manifest.json'}: a window of {cfg.window} frames "
+                            f"(data.past={cfg.past} + data.future={cfg.future}) at data.stride={cfg.stride} "
+                            f"spans {cfg.span} frames, but the longest scene in split {split!r} has "
+                            f"{longest}; shorten the window or the stride")
+        if cfg.max_windows and cfg.max_windows < len(self.index):
+            keep = np.linspace(0, len(self.index) - 1, cfg.max_windows).round().astype(np.int64)
+            self.index = self.index[keep]
+        self.num_classes = self.manifest.info.num_classes
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest.fingerprint
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def locate(self, i: int) -> tuple[Shard, int, int]:
+        """(shard, first frame, stop) of window i."""
+        sid, first = self.index[i]
+        return self.shards[sid], int(first), int(first) + self.cfg.span
+
+    def __getitem__(self, i: int) -> dict:
+        sh, a, b = self.locate(i)
+        s = self.cfg.stride
+        occ = sh.read("occ", a, b, s)
+        top = int(occ.max())
+        if top >= self.num_classes:  # a cheap pass over uint8; decompression costs far more
+            raise DataError(f"shard {sh.path}: field 'occ' frames {a}:{b} hold class id {top} >= "
+                            f"num_classes {self.num_classes}; fix the converter that wrote it")
+        out = {"occ": torch.from_numpy(occ),
+               "motion": torch.from_numpy(relative_motion(sh.pose[a:b:s], self.cfg.past - 1)),
+               "index": torch.tensor(i, dtype=torch.int64)}
+        if self.cfg.use_mask:
+            out["mask"] = torch.from_numpy(sh.read("mask", a, b, s))
+        return out
+
+
+class ResumableSampler(Sampler[int]):
+    """Distributed sampler whose position survives a restart on any number of ranks.
+
+    Per epoch there is one global order, a permutation of range(n) drawn from (seed, epoch)
+    (identity if not shuffling). Positions consumed..end of that order are dealt round-robin:
+    rank r gets positions consumed + r, consumed + r + world_size, ... Without drop_last the tail
+    is padded by wrapping to the start of the order so every rank gets the same count; with
+    drop_last the incomplete last round is dropped.
+
+    The loop owns progress: after each optimizer step it calls `advance(global_batch)`; the state
+    (epoch, consumed) goes into the checkpoint, and `load_state_dict` puts the sampler where the
+    run stopped: the next `iter()` yields exactly what had not been consumed.
+    """
+
+    def __init__(self, n: int, world_size: int = 1, rank: int = 0, seed: int = 0,
+                 shuffle: bool = True, drop_last: bool = False):
+        if n < 1:
+            raise DataError("the sampler got an empty data set")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} not in [0, {world_size})")
+        self.n, self.world_size, self.rank, self.seed = n, world_size, rank, seed
+        self.shuffle, self.drop_last = shuffle, drop_last
+        self.epoch, self.consumed = 0, 0
+
+    def order(self, epoch: Optional[int] = None) -> np.ndarray:
+        """The global order of an epoch."""
+        e = self.epoch if epoch is None else epoch
+        if not self.shuffle:
+            return np.arange(self.n)
+        return np.random.default_rng([self.seed, e]).permutation(self.n)
+
+    def __len__(self) -> int:
+        """Samples this rank yields from the current position to the end of the epoch."""
+        left = max(0, self.n - self.consumed)
+        return left // self.world_size if self.drop_last else math.ceil(left / self.world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        order, per_rank = self.order(), len(self)
+        pos = self.consumed + self.rank + self.world_size * np.arange(per_rank)
+        return iter(order[pos % self.n].tolist())  # modulo: the padding wraps to the start
+
+    def advance(self, samples: int) -> None:
+        """Record that `samples` more (global) samples were consumed; rolls to the next epoch at
+        the end of this one."""
+        self.consumed += samples
+        if self.consumed >= self.epoch_samples():
+            self.epoch, self.consumed = self.epoch + 1, 0
+
+    def epoch_samples(self) -> int:
+        """Global samples in a full epoch on this world size."""
+        per = self.n // self.world_size if self.drop_last else math.ceil(self.n / self.world_size)
+        return per * self.world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.consumed = epoch, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "consumed": self.consumed, "n": self.n, "seed": self.seed,
+                "shuffle": self.shuffle}
+
+    def load_state_dict(self, d: dict) -> None:
+        if d["n"] != self.n:
+            raise DataError(f"the checkpoint's sampler walked {d['n']} windows but the data now has "
+                            f"{self.n}: the data or the window settings changed since it was saved")
+        if (d["seed"], d["shuffle"]) != (self.seed, self.shuffle):
+            raise DataError(f"the checkpoint's sampler used seed={d['seed']} shuffle={d['shuffle']}, "
+                            f"this run seed={self.seed} shuffle={self.shuffle}; resume with the same")
+        self.epoch, self.consumed = int(d["epoch"]), int(d["consumed"])
+
+
+def make_loader(ds: Dataset, sampler: Sampler, cfg: DataConfig, drop_last: bool = True) -> DataLoader:
+    """DataLoader over `ds` in `sampler`'s order. Workers open HDF5 files lazily (the shards
+    reopen their handle in the reading process), memory is pinned for async copies to the GPU,
+    and persistent workers keep open handles and warm caches between epochs."""
+    workers = cfg.num_workers
+    return DataLoader(
+        ds, batch_size=cfg.batch_size, sampler=sampler, num_workers=workers,
+        pin_memory=cfg.pin_memory and torch.cuda.is_available(), drop_last=drop_last,
+        persistent_workers=cfg.persistent_workers and workers > 0,
+        prefetch_factor=cfg.prefetch_factor if workers > 0 else None)
+
+
+def resolve_root(cfg, log=print) -> Path:
+    """data.root, or the built-in synthetic data set (generated once) when it is empty."""
+    if cfg.data.root:
+        return Path(cfg.data.root).expanduser()
+    from wm.synthetic import ensure_synthetic
+
+    return ensure_synthetic(cfg.synthetic, tuple(cfg.data.grid), log=log)

@@ -1,0 +1,42 @@
+"""Errors a user can cause. Each one carries a single line that names the file or key and what to do.
+
+The CLIs catch `WMError`, print its message as one line and exit non-zero; anything else is a bug
+and keeps its traceback.
+"""
+
+
+class WMError(Exception):
+    """A failure the user can fix; str(e) is the one line shown to them."""
+
+
+class ConfigError(WMError):
+    """A config key that is unknown, of the wrong type, or refused by its section's validation.
+
+    `key` is the dotted path ("train.lr"); sections raise it with their own field name and the root
+    config prefixes the section, so the message always names the full path.
+    """
+
+    def __init__(self, key: str, msg: str):
+        self.key, self.msg = key, msg
+        super().__init__(f"config key '{key}': {msg}")
+
+    def under(self, prefix: str) -> "ConfigError":
+        return ConfigError(f"{prefix}.{self.key}" if prefix else self.key, self.msg)
+
+
+class DataError(WMError):
+    """A data set, shard or manifest that cannot be used as it is; the message names the file and field."""
+
+
+def run_cli(main) -> None:
+    """Run a CLI's `main()`: a WMError becomes one line on stderr and exit status 2."""
+    import sys
+
+    try:
+        sys.exit(main())
+    except WMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,638 @@
+"""The shard format: a data set is a folder with `manifest.json` and shards of two kinds.
+
+- HDF5 shard (`*.h5`): one concatenated dataset per field, not one per scene. `occ` uint8
+  (N, X, Y, Z), one frame per chunk, compressed; `mask` (optional, same); `pose` float64 (N, 4, 4)
+  ego->global; `timestamp` int64 (N,) microseconds; `scene_offsets` int64 (S+1,); `scene_names`
+  (S,). File attributes repeat grid, classes and encoding so a lone shard describes itself.
+- memmap shard (a folder `*.mm`): the same arrays as `.npy` files read with
+  `np.load(mmap_mode="r")`, plus `scene_names.json` and `attrs.json`. Uncompressed, for local
+  NVMe where read speed is everything.
+
+`manifest.json` lists every shard (path, kind, split, scenes, frames, bytes, sha256) and the data
+set's facts; its canonical sha256 is the data set's fingerprint. A data set may mix both kinds.
+
+Writers stream scene by scene (memory holds one scene) into a temporary name and rename into place
+when complete, so a crash never leaves a half shard under a final name. Readers check every field
+against the manifest when opened and name the file and field in every error; HDF5 handles are
+opened lazily in the process that reads (h5py handles do not survive fork), so a Dataset holding
+shards can be handed to DataLoader workers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional
+
+import numpy as np
+
+from wm.errors import DataError
+
+FORMAT, VERSION = "wm-occ", 1
+KINDS = ("hdf5", "memmap")
+SUFFIX = {"hdf5": ".h5", "memmap": ".mm"}
+
+# HDF5 compressions a shard may use. gzip is in every stock HDF5 build; zstd and lz4
+# come from the hdf5plugin package (registered on import), which every wm reader imports. The
+# default is chosen by measurement (read speed first, size second): README "Choosing the HDF5
+# compression" has the table; zstd3 reads ~4x faster than gzip1 at ~5x fewer bytes. h5py's lzf is
+# left out: its output is not byte-reproducible (liblzf's hash table is not initialised), so a
+# regenerated data set would get another fingerprint, and it reads slower than gzip1 here.
+COMPRESSIONS = {  # name: (filter, level)
+    "none": (None, None),
+    "gzip1": ("gzip", 1),
+    "gzip4": ("gzip", 4),
+    "zstd1": ("zstd", 1),
+    "zstd3": ("zstd", 3),
+    "lz4": ("lz4", None),
+}
+PLUGIN_FILTERS = ("zstd", "lz4")
+DEFAULT_COMPRESSION = "zstd3"
+
+
+def _plugins(why: str):
+    """Import hdf5plugin (registers zstd/lz4 with HDF5) or say how to get it."""
+    try:
+        import hdf5plugin
+    except ImportError:
+        raise DataError(f"{why} needs the hdf5plugin package: pip install hdf5plugin "
+                        "(or use compression gzip1, readable by stock HDF5)") from None
+    return hdf5plugin
+
+
+def h5_compression(name: str, why: str = "") -> dict:
+    """h5py create_dataset keyword arguments for compression `name`."""
+    if name not in COMPRESSIONS:
+        raise DataError(f"compression {name!r} must be one of {list(COMPRESSIONS)}")
+    filt, level = COMPRESSIONS[name]
+    if filt is None:
+        return {}
+    if filt in PLUGIN_FILTERS:
+        hp = _plugins(why or f"compression {name}")
+        return dict(hp.Zstd(clevel=level)) if filt == "zstd" else dict(hp.LZ4())
+    return {"compression": filt, "compression_opts": level} if level is not None else {"compression": filt}
+
+
+OCC3D_CLASSES = (
+    "others", "barrier", "bicycle", "bus", "car", "construction_vehicle", "motorcycle",
+    "pedestrian", "traffic_cone", "trailer", "truck", "driveable_surface", "other_flat",
+    "sidewalk", "terrain", "manmade", "vegetation", "free",
+)
+
+FIELDS = ("occ", "mask", "pose", "timestamp", "scene_offsets")  # arrays; scene_names apart
+
+
+@dataclass
+class DatasetInfo:
+    """The facts of a data set, written into manifest.json and into every shard's attributes."""
+
+    grid: tuple[int, int, int]
+    num_classes: int = 18
+    free_class: int = 17
+    class_names: tuple[str, ...] = OCC3D_CLASSES
+    voxel_size: tuple[float, float, float] = (0.4, 0.4, 0.4)
+    range: tuple[float, ...] = (-40.0, -40.0, -1.0, 40.0, 40.0, 5.4)
+    frame_rate_hz: float = 2.0
+    has_mask: bool = False
+
+    def __post_init__(self):
+        self.grid = tuple(int(g) for g in self.grid)
+        self.class_names = tuple(self.class_names)
+        self.voxel_size = tuple(float(v) for v in self.voxel_size)
+        self.range = tuple(float(v) for v in self.range)
+        if len(self.grid) != 3 or min(self.grid) < 1:
+            raise DataError(f"grid {self.grid} must be three positive sizes")
+        if not 2 <= self.num_classes <= 256:
+            raise DataError(f"num_classes {self.num_classes} must be in [2, 256] (labels are uint8)")
+        if not 0 <= self.free_class < self.num_classes:
+            raise DataError(f"free_class {self.free_class} is not a class id below {self.num_classes}")
+        if len(self.class_names) != self.num_classes:
+            raise DataError(f"{len(self.class_names)} class names given for {self.num_classes} classes")
+
+    def to_json(self) -> dict:
+        return json.loads(json.dumps(asdict(self)))
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+
+
+def _check_scene(info: DatasetInfo, name: str, occ, pose, timestamp, mask, path: Path) -> None:
+    where = f"{path}: scene {name!r}"
+    if not isinstance(occ, np.ndarray) or occ.dtype != np.uint8:
+        raise DataError(f"{where}: occ must be a uint8 array, got {getattr(occ, 'dtype', type(occ))}")
+    if occ.ndim != 4 or tuple(occ.shape[1:]) != info.grid:
+        raise DataError(f"{where}: occ shape {occ.shape}, expected (frames, {', '.join(map(str, info.grid))})")
+    n = occ.shape[0]
+    if n < 1:
+        raise DataError(f"{where}: has no frames")
+    top = int(occ.max())
+    if top >= info.num_classes:
+        raise DataError(f"{where}: class id {top} >= num_classes {info.num_classes}")
+    pose = np.asarray(pose)
+    if pose.shape != (n, 4, 4):
+        raise DataError(f"{where}: pose shape {pose.shape}, expected ({n}, 4, 4)")
+    if not np.isfinite(pose).all():
+        bad = int(np.argwhere(~np.isfinite(pose).reshape(n, -1).all(1))[0, 0])
+        raise DataError(f"{where}: pose of frame {bad} is not finite")
+    ts = np.asarray(timestamp)
+    if ts.shape != (n,):
+        raise DataError(f"{where}: timestamp shape {ts.shape}, expected ({n},)")
+    if ts.dtype.kind not in "iu" and not (ts.dtype.kind == "f" and np.isfinite(ts).all()
+                                          and (ts == np.round(ts)).all()):
+        raise DataError(f"{where}: timestamps must be whole microseconds (int64), got {ts.dtype} "
+                        f"{ts[:3].tolist()}...")
+    if info.has_mask:
+        if mask is None:
+            raise DataError(f"{where}: the data set has masks but this scene has none")
+        if mask.shape != occ.shape or mask.dtype != np.uint8:
+            raise DataError(f"{where}: mask {mask.dtype}{mask.shape} must be uint8 of occ's shape {occ.shape}")
+    elif mask is not None:
+        raise DataError(f"{where}: a mask was given but the data set has has_mask=False")
+
+
+class _NpyAppender:
+    """Streams frames into a `.npy` file whose frame count is known only at the end.
+
+    The header is written last into space reserved at the front (the .npy format allows header
+    padding), so writing never holds more than one scene in memory.
+    """
+
+    HEADER = 256  # bytes reserved; a multiple of 64 as the format asks
+
+    def __init__(self, path: Path, dtype, frame_shape: tuple):
+        self.path, self.dtype, self.frame_shape, self.n = path, np.dtype(dtype), tuple(frame_shape), 0
+        self.f = open(path, "wb")
+        self.f.write(b"\0" * self.HEADER)
+
+    def append(self, a: np.ndarray) -> None:
+        a = np.ascontiguousarray(a, dtype=self.dtype)
+        self.f.write(a.tobytes())
+        self.n += a.shape[0]
+
+    def close(self) -> None:
+        d = {"descr": self.dtype.str, "fortran_order": False, "shape": (self.n, *self.frame_shape)}
+        text = repr(d).encode("latin1")
+        pad = self.HEADER - 10 - len(text) - 1
+        if pad < 0:
+            raise DataError(f"{self.path}: shape {d['shape']} does not fit the npy header")
+        self.f.seek(0)
+        # format 1.0: magic, version, little-endian uint16 header length, header padded with spaces
+        self.f.write(b"\x93NUMPY\x01\x00" + (self.HEADER - 10).to_bytes(2, "little")
+                     + text + b" " * pad + b"\n")
+        _flush(self.f)
+        self.f.close()
+
+
+def _flush(f) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+
+
+class ShardWriter:
+    """Writes one shard scene by scene; `close()` renames it into place and returns its manifest
+    entry. Used as a context manager, an exception removes the temporary and writes nothing."""
+
+    def __init__(self, path: str | os.PathLike, kind: str, info: DatasetInfo,
+                 compression: str = DEFAULT_COMPRESSION, overwrite: bool = False):
+        if kind not in KINDS:
+            raise DataError(f"shard kind {kind!r} must be one of {list(KINDS)}")
+        comp = h5_compression(compression, f"writing {path} with {compression}") if kind == "hdf5" else {}
+        self.path, self.kind, self.info, self.compression = Path(path), kind, info, compression
+        if self.path.exists() and not overwrite:
+            raise DataError(f"{self.path} already exists; choose another folder or remove it first")
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DataError(f"cannot create the folder for {self.path} ({e})") from None
+        _remove(self.tmp)
+        self.closed = False
+        self.offsets, self.names, self.n = [0], [], 0
+        if kind == "hdf5":
+            import h5py
+
+            X, Y, Z = info.grid
+            self.h5 = h5py.File(self.tmp, "w", libver="v110")
+            for k, v in _attrs(info).items():
+                self.h5.attrs[k] = v
+            self.h5.attrs["compression"] = compression
+
+            def mk(name, shape, dtype, chunks=None, **kw):
+                return self.h5.create_dataset(name, shape=(0, *shape), maxshape=(None, *shape),
+                                              dtype=dtype, chunks=chunks or (1, *shape),
+                                              track_times=False, **kw)
+
+            # One frame per chunk: a random window reads exactly its frames; window-sized chunks
+            # rarely align with random windows and read ~2x slower.
+            self.ds = {"occ": mk("occ", (X, Y, Z), np.uint8, **comp),
+                       "pose": mk("pose", (4, 4), np.float64, chunks=(1024, 4, 4)),
+                       "timestamp": mk("timestamp", (), np.int64, chunks=(1024,))}
+            if info.has_mask:
+                self.ds["mask"] = mk("mask", (X, Y, Z), np.uint8, **comp)
+        else:
+            self.tmp.mkdir(parents=True)
+            self.app = {"occ": _NpyAppender(self.tmp / "occ.npy", np.uint8, info.grid),
+                        "pose": _NpyAppender(self.tmp / "pose.npy", np.float64, (4, 4)),
+                        "timestamp": _NpyAppender(self.tmp / "timestamp.npy", np.int64, ())}
+            if info.has_mask:
+                self.app["mask"] = _NpyAppender(self.tmp / "mask.npy", np.uint8, info.grid)
+
+    def add_scene(self, name: str, occ: np.ndarray, pose: np.ndarray, timestamp: np.ndarray,
+                  mask: Optional[np.ndarray] = None) -> None:
+        _check_scene(self.info, name, occ, pose, timestamp, mask, self.path)
+        arrays = {"occ": occ, "pose": np.asarray(pose, np.float64),
+                  "timestamp": np.asarray(timestamp, np.int64)}
+        if mask is not None:
+            arrays["mask"] = mask
+        n = occ.shape[0]
+        if self.kind == "hdf5":
+            for k, a in arrays.items():
+                d = self.ds[k]
+                d.resize(self.n + n, axis=0)
+                d[self.n:self.n + n] = a
+        else:
+            for k, a in arrays.items():
+                self.app[k].append(a)
+        self.n += n
+        self.offsets.append(self.n)
+        self.names.append(str(name))
+
+    def close(self) -> dict:
+        """Finish, move into place, and return the manifest entry (without split)."""
+        if not self.names:
+            self.abort()
+            self.closed = True
+            raise DataError(f"{self.path}: no scenes were added; refusing to write an empty shard")
+        offsets = np.asarray(self.offsets, np.int64)
+        if self.kind == "hdf5":
+            import h5py
+
+            self.h5.create_dataset("scene_offsets", data=offsets, track_times=False)
+            self.h5.create_dataset("scene_names", data=np.array(self.names, dtype=object),
+                                   dtype=h5py.string_dtype(), track_times=False)
+            self.h5.flush()
+            self.h5.close()
+            with open(self.tmp, "rb+") as f:
+                _flush(f)
+        else:
+            for a in self.app.values():
+                a.close()
+            np.save(self.tmp / "scene_offsets.npy", offsets)
+            (self.tmp / "scene_names.json").write_text(json.dumps(self.names))
+            attrs = _attrs(self.info)
+            (self.tmp / "attrs.json").write_text(json.dumps(attrs, indent=1, sort_keys=True))
+        if self.path.exists():  # overwrite=True
+            _remove(self.path)
+        os.replace(self.tmp, self.path)
+        self.closed = True
+        _fsync_dir(self.path.parent)
+        return {"path": self.path.name, "kind": self.kind, "scenes": len(self.names),
+                "frames": self.n, "bytes": _size(self.path), "sha256": shard_sha256(self.path)}
+
+    def abort(self) -> None:
+        if self.kind == "hdf5":
+            try:
+                self.h5.close()
+            except Exception:
+                pass
+        else:
+            for a in self.app.values():
+                a.f.close()
+        _remove(self.tmp)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            self.abort()
+        elif not self.closed:  # a programming error: say so rather than leave a temp behind
+            self.abort()
+            raise RuntimeError(f"ShardWriter for {self.path} left without close(); nothing was written")
+
+
+def _attrs(info: DatasetInfo) -> dict:
+    return {"format": FORMAT, "version": VERSION, "grid": list(info.grid),
+            "num_classes": info.num_classes, "free_class": info.free_class,
+            "class_names": json.dumps(list(info.class_names)), "encoding": "uint8 class id per voxel",
+            "voxel_size": list(info.voxel_size), "range": list(info.range),
+            "frame_rate_hz": info.frame_rate_hz, "has_mask": info.has_mask}
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    elif p.exists() or p.is_symlink():
+        p.unlink()
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _size(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.iterdir()) if p.is_dir() else p.stat().st_size
+
+
+def shard_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a shard file, or of a memmap folder's files (name and bytes, in name order)."""
+    p, h = Path(path), hashlib.sha256()
+    files = sorted(f for f in p.iterdir()) if p.is_dir() else [p]
+    for f in files:
+        if p.is_dir():
+            h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# manifest
+
+
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class Manifest:
+    root: Path
+    info: DatasetInfo
+    shards: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, **self.info.to_json(), "shards": self.shards}
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the canonical manifest: which data (exactly) trained a model."""
+        canon = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()
+
+    def split(self, split: str) -> list[dict]:
+        entries = [s for s in self.shards if s["split"] == split]
+        if not entries:
+            present = sorted({s["split"] for s in self.shards})
+            raise DataError(f"{self.root / MANIFEST}: no shards in split {split!r} "
+                            f"(splits present: {', '.join(present) or 'none'})")
+        return entries
+
+    def write(self) -> None:
+        """Atomically (re)write manifest.json."""
+        p = self.root / MANIFEST
+        tmp = self.root / f".{MANIFEST}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+            f.write("\n")
+            _flush(f)
+        os.replace(tmp, p)
+        _fsync_dir(self.root)
+
+
+def load_manifest(root: str | os.PathLike) -> Manifest:
+    root = Path(root)
+    p = root / MANIFEST
+    if not root.is_dir():
+        raise DataError(f"data set folder {root} does not exist")
+    if not p.is_file():
+        raise DataError(f"{p} is missing: {root} is not a wm data set "
+                        "(make one with tools/make_synthetic.py or tools/convert_*.py)")
+    try:
+        d = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{p}: not valid JSON ({e}); the manifest is damaged, re-create the data set") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise DataError(f"{p}: field 'format' is {d.get('format') if isinstance(d, dict) else d!r}, expected {FORMAT!r}")
+    if d.get("version") != VERSION:
+        raise DataError(f"{p}: field 'version' is {d.get('version')!r}; this wm reads version {VERSION}")
+    keys = ("grid", "num_classes", "free_class", "class_names", "voxel_size", "range",
+            "frame_rate_hz", "has_mask")
+    missing = [k for k in keys + ("shards",) if k not in d]
+    if missing:
+        raise DataError(f"{p}: field '{missing[0]}' is missing")
+    def number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    expect = {"grid": ("a list of sizes", lambda v: isinstance(v, list) and all(number(x) for x in v)),
+              "num_classes": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+              "free_class": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+              "class_names": ("a list of names", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
+              "voxel_size": ("a list of numbers", lambda v: isinstance(v, list) and all(number(x) for x in v)),
+              "range": ("a list of numbers", lambda v: isinstance(v, list) and all(number(x) for x in v)),
+              "frame_rate_hz": ("a number", number),
+              "has_mask": ("true or false", lambda v: isinstance(v, bool))}
+    for k, (what, ok) in expect.items():
+        if not ok(d[k]):
+            raise DataError(f"{p}: field '{k}' is {d[k]!r}, expected {what}")
+    try:
+        info = DatasetInfo(**{k: d[k] for k in keys})
+    except (TypeError, ValueError, DataError) as e:
+        raise DataError(f"{p}: {e}") from None
+    shards = d["shards"]
+    if not isinstance(shards, list):
+        raise DataError(f"{p}: field 'shards' is {shards!r}, expected a list of shard entries")
+    need = ("path", "kind", "split", "scenes", "frames", "bytes", "sha256")
+    for i, s in enumerate(shards):
+        for k in need:
+            if not isinstance(s, dict) or k not in s:
+                raise DataError(f"{p}: shards[{i}] has no field '{k}'")
+        if s["kind"] not in KINDS:
+            raise DataError(f"{p}: shards[{i}].kind is {s['kind']!r}, expected one of {list(KINDS)}")
+    return Manifest(root, info, list(shards))
+
+
+def write_dataset(root: str | os.PathLike, info: DatasetInfo, entries: Iterable[dict]) -> Manifest:
+    m = Manifest(Path(root), info, list(entries))
+    m.write()
+    return m
+
+
+def verify(root: str | os.PathLike) -> list[str]:
+    """Recompute every shard's sha256 and size against the manifest. Returns the problems found
+    (one line each, naming the file); an empty list means the data set is intact."""
+    m = load_manifest(root)
+    problems = []
+    for s in m.shards:
+        p = m.root / s["path"]
+        if not p.exists():
+            problems.append(f"{p}: missing (listed in {m.root / MANIFEST})")
+            continue
+        size = _size(p)
+        if size != s["bytes"]:
+            problems.append(f"{p}: {size} bytes, manifest says {s['bytes']} (truncated or replaced)")
+            continue
+        h = shard_sha256(p)
+        if h != s["sha256"]:
+            problems.append(f"{p}: sha256 {h[:12]}... does not match the manifest's {s['sha256'][:12]}...")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+class Shard:
+    """One shard, opened for reading: small fields (offsets, names, poses, timestamps) are loaded
+    and checked at open; frames are read on demand. Picklable: the HDF5 handle is reopened lazily
+    in whichever process reads."""
+
+    def __init__(self, root: Path, entry: dict, info: DatasetInfo, cache_bytes: int = 1 << 20):
+        self.path = Path(root) / entry["path"]
+        self.kind, self.info, self.entry, self.cache_bytes = entry["kind"], info, entry, cache_bytes
+        self._h5 = self._pid = None
+        self._mm: dict[str, np.ndarray] = {}
+        self.compression, self.needs_plugin = "none", False
+        if not self.path.exists():
+            raise DataError(f"shard {self.path} is missing (listed in {Path(root) / MANIFEST}); "
+                            "restore it or re-create the data set")
+        fields = ("occ", "mask") if info.has_mask else ("occ",)
+        try:
+            if self.kind == "hdf5":
+                f = self._file()  # opening needs no filter; reading frames may
+                self.compression = str(f.attrs.get("compression", "unknown"))
+                if self.compression not in COMPRESSIONS:  # written elsewhere: offer every filter
+                    try:
+                        import hdf5plugin  # noqa: F401
+                    except ImportError:
+                        pass
+                elif COMPRESSIONS[self.compression][0] in PLUGIN_FILTERS:
+                    self.needs_plugin = True
+                    _plugins(f"shard {self.path} (compressed with {self.compression})")
+                for k in fields + ("pose", "timestamp", "scene_offsets", "scene_names"):
+                    if k not in f:
+                        raise DataError(f"shard {self.path}: field '{k}' is missing")
+                big = {k: (f[k].shape, f[k].dtype) for k in fields}
+                self.pose = f["pose"][:]
+                self.timestamp = f["timestamp"][:]
+                self.scene_offsets = f["scene_offsets"][:]
+                self.scene_names = [n.decode() if isinstance(n, bytes) else str(n)
+                                    for n in f["scene_names"][:]]
+                self.close()  # a DataLoader worker opens its own handle
+            else:
+                arr = {k: self._npy(k) for k in fields + ("pose", "timestamp", "scene_offsets")}
+                big = {k: (arr[k].shape, arr[k].dtype) for k in fields}
+                self.pose = np.asarray(arr["pose"])
+                self.timestamp = np.asarray(arr["timestamp"])
+                self.scene_offsets = np.asarray(arr["scene_offsets"])
+                names = self.path / "scene_names.json"
+                if not names.is_file():
+                    raise DataError(f"shard {self.path}: field 'scene_names' is missing (scene_names.json)")
+                try:
+                    self.scene_names = json.loads(names.read_text())
+                except json.JSONDecodeError as e:
+                    raise DataError(f"shard {names}: not valid JSON ({e})") from None
+                self._mm = {}  # re-mapped on demand, in the reading process
+        except DataError:
+            raise
+        except (OSError, ValueError, KeyError) as e:
+            raise DataError(f"shard {self.path}: cannot be read ({_first_line(e)}); it is truncated or "
+                            "corrupt: run tools/inspect_data.py --verify and re-create it") from None
+        self._check(big)
+
+    # -- checks at open: cheap, whole-shard, before anything trains
+    def _check(self, big: dict) -> None:
+        where, n = f"shard {self.path}", None
+        for k, (shape, dtype) in big.items():
+            if dtype != np.uint8:
+                raise DataError(f"{where}: field '{k}' has dtype {dtype}, expected uint8")
+            if tuple(shape[1:]) != self.info.grid:
+                raise DataError(f"{where}: field '{k}' frames are {tuple(shape[1:])}, but the manifest "
+                                f"grid is {self.info.grid}")
+            n = shape[0] if n is None else n
+            if shape[0] != n:
+                raise DataError(f"{where}: field '{k}' has {shape[0]} frames, 'occ' has {n}")
+        if self.pose.shape != (n, 4, 4):
+            raise DataError(f"{where}: field 'pose' has shape {self.pose.shape}, expected ({n}, 4, 4)")
+        if not np.isfinite(self.pose).all():
+            bad = int(np.argwhere(~np.isfinite(self.pose).reshape(n, -1).all(1))[0, 0])
+            raise DataError(f"{where}: field 'pose' is not finite at frame {bad}")
+        if self.timestamp.shape != (n,):
+            raise DataError(f"{where}: field 'timestamp' has shape {self.timestamp.shape}, expected ({n},)")
+        o = self.scene_offsets
+        if o.ndim != 1 or len(o) < 2 or o[0] != 0 or o[-1] != n or not (np.diff(o) > 0).all():
+            raise DataError(f"{where}: field 'scene_offsets' must rise strictly from 0 to the frame "
+                            f"count {n}, got {o.tolist()[:8]}{'...' if len(o) > 8 else ''}")
+        if len(self.scene_names) != len(o) - 1:
+            raise DataError(f"{where}: field 'scene_names' has {len(self.scene_names)} names for "
+                            f"{len(o) - 1} scenes")
+        if (self.entry["frames"], self.entry["scenes"]) != (n, len(o) - 1):
+            raise DataError(f"{where}: has {n} frames in {len(o) - 1} scenes but the manifest says "
+                            f"{self.entry['frames']} in {self.entry['scenes']}; the manifest is stale")
+
+    @property
+    def num_frames(self) -> int:
+        return int(self.scene_offsets[-1])
+
+    def _file(self):
+        import h5py
+
+        if self._h5 is None or self._pid != os.getpid():
+            if self.needs_plugin:
+                _plugins(f"shard {self.path} (compressed with {self.compression})")
+            # locking=False: read-only shards on network filesystems (and h5py files across fork).
+            self._h5 = h5py.File(self.path, "r", rdcc_nbytes=self.cache_bytes, locking=False)
+            self._pid = os.getpid()
+        return self._h5
+
+    def _npy(self, k: str) -> np.ndarray:
+        p = self.path / f"{k}.npy"
+        if not p.is_file():
+            raise DataError(f"shard {self.path}: field '{k}' is missing ({k}.npy)")
+        try:
+            return np.load(p, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise DataError(f"shard {self.path}: field '{k}' ({k}.npy) cannot be read ({_first_line(e)}); "
+                            "it is truncated or corrupt: run tools/inspect_data.py --verify and "
+                            "re-create it") from None
+
+    def read(self, field: str, start: int, stop: int, step: int = 1) -> np.ndarray:
+        """Frames [start:stop:step] of `occ` or `mask` as a fresh uint8 array."""
+        if field == "mask" and not self.info.has_mask:
+            raise DataError(f"shard {self.path}: the data set has no visibility masks (field 'mask')")
+        try:
+            if self.kind == "hdf5":
+                return self._file()[field][start:stop:step]
+            if field not in self._mm:
+                self._mm[field] = self._npy(field)
+            return np.array(self._mm[field][start:stop:step])
+        except DataError:
+            raise
+        except (OSError, ValueError, KeyError) as e:
+            raise DataError(f"shard {self.path}: field '{field}' frames {start}:{stop} cannot be read "
+                            f"({_first_line(e)}); the shard is corrupt: run tools/inspect_data.py "
+                            "--verify and re-create it") from None
+
+    def close(self) -> None:
+        if self._h5 is not None:
+            try:
+                self._h5.close()
+            except Exception:
+                pass
+        self._h5 = self._pid = None
+        self._mm = {}
+
+    def __getstate__(self):
+        d = dict(self.__dict__)
+        d["_h5"] = d["_pid"] = None
+        d["_mm"] = {}
+        return d
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return s[0] if s else type(e).__name__
+
+
+def open_split(root: str | os.PathLike, split: str, cache_bytes: int = 1 << 20) -> tuple[Manifest, list[Shard]]:
+    """The manifest and the opened (checked) shards of one split."""
+    m = load_manifest(root)
+    return m, [Shard(m.root, e, m.info, cache_bytes) for e in m.split(split)]
