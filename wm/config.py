@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from wm.errors import ConfigError
+from wm.tokenizer import TokenizerConfig
+from wm.world import WorldConfig
 
 META_KEY = "meta"  # written by wm beside the sections (fingerprint, versions); ignored on load
 
@@ -133,11 +135,112 @@ class SyntheticConfig:
             raise ConfigError("compression", f"{self.compression!r} must be one of {list(COMPRESSIONS)}")
 
 
+STAGES = ("tokenizer", "world")
+AMP = ("auto", "bf16", "fp16", "fp32")
+
+
+@dataclass
+class TrainConfig:
+    """What holds for the whole run (both stages)."""
+
+    stages: tuple[str, ...] = STAGES  # run these stages in this order
+    device: str = "auto"  # auto (CUDA if present) | cuda | cpu
+    amp: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU | bf16 | fp16 (with GradScaler) | fp32
+    compile: bool = False  # torch.compile the model
+    log_every: int = 10  # optimizer steps between console/TensorBoard records
+    ckpt_every: int = 200  # optimizer steps between checkpoints (also at stage end and on SIGTERM)
+    keep_last: int = 3  # step checkpoints kept (>= 2); the best is kept apart
+    async_ckpt: bool = True  # write checkpoints in a background thread
+    max_nonfinite: int = 5  # stop after this many non-finite steps in a row (each one is skipped)
+    timeout_s: float = 900.0  # collective timeout: a dead rank fails the job after this long
+    tensorboard: bool = True
+    images: bool = True  # BEV pictures of ground truth vs forecast at each validation
+    peak_tflops: float = 0.0  # the device's matrix peak, for MFU (0: MFU not reported)
+    forecast_motion: str = "given"  # evaluation rollouts: "given" future ego motion, or "predicted"
+
+    def validate(self) -> None:
+        if not self.stages or any(s not in STAGES for s in self.stages) or len(set(self.stages)) != len(self.stages):
+            raise ConfigError("stages", f"{list(self.stages)} must be distinct names from {list(STAGES)}")
+        if list(self.stages) != sorted(self.stages, key=STAGES.index):
+            raise ConfigError("stages", "the tokenizer stage must come before the world stage")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ConfigError("device", f"{self.device!r} must be auto, cuda or cpu")
+        if self.amp not in AMP:
+            raise ConfigError("amp", f"{self.amp!r} must be one of {list(AMP)}")
+        for k in ("log_every", "ckpt_every", "max_nonfinite"):
+            if getattr(self, k) < 1:
+                raise ConfigError(k, f"{getattr(self, k)} must be >= 1")
+        if self.keep_last < 2:
+            raise ConfigError("keep_last", f"{self.keep_last} must be >= 2: the newest checkpoint may be "
+                              "the one a crash interrupted, so the one before it must survive")
+        if not self.timeout_s > 0:
+            raise ConfigError("timeout_s", f"{self.timeout_s} must be > 0")
+        if self.peak_tflops < 0:
+            raise ConfigError("peak_tflops", f"{self.peak_tflops} must be >= 0")
+        if self.forecast_motion not in ("given", "predicted"):
+            raise ConfigError("forecast_motion", f"{self.forecast_motion!r} must be given or predicted")
+
+
+@dataclass
+class StageConfig:
+    """Optimisation of one stage (AdamW, linear warm-up then cosine to min_lr)."""
+
+    epochs: int = 10
+    max_steps: int = 0  # >0: stop after this many optimizer steps (smoke runs), else epochs decide
+    batch_size: int = 0  # per rank and micro-step; 0: data.batch_size
+    grad_accum: int = 1  # micro-steps per optimizer step
+    lr: float = 1e-3
+    min_lr: float = 1e-6
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    betas: tuple[float, ...] = (0.9, 0.95)
+    clip: float = 35.0  # gradient-norm clip (0: off; the norm is still logged)
+    eval_every: int = 0  # optimizer steps between validations (0: at each epoch end)
+    best_metric: str = "val/miou"  # checkpoint kept as best by this validation metric...
+    best_mode: str = "max"  # ...higher (max) or lower (min) is better
+    early_stop: int = 0  # stop after this many validations without improvement (0: never)
+
+    def validate(self) -> None:
+        for k in ("epochs", "grad_accum"):
+            if getattr(self, k) < 1:
+                raise ConfigError(k, f"{getattr(self, k)} must be >= 1")
+        for k in ("max_steps", "batch_size", "warmup_steps", "eval_every", "early_stop"):
+            if getattr(self, k) < 0:
+                raise ConfigError(k, f"{getattr(self, k)} must be >= 0")
+        if not self.lr > 0:
+            raise ConfigError("lr", f"{self.lr} must be > 0")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError("min_lr", f"{self.min_lr} must be in [0, lr={self.lr}]")
+        if self.weight_decay < 0:
+            raise ConfigError("weight_decay", f"{self.weight_decay} must be >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError("betas", f"{list(self.betas)} must be two numbers in [0, 1)")
+        if self.clip < 0:
+            raise ConfigError("clip", f"{self.clip} must be >= 0 (0: off)")
+        if self.best_mode not in ("max", "min"):
+            raise ConfigError("best_mode", f"{self.best_mode!r} must be max or min")
+        if not self.best_metric.startswith("val/"):
+            raise ConfigError("best_metric", f"{self.best_metric!r} must be a validation metric (val/...)")
+
+
+def _tokenizer_stage() -> StageConfig:
+    return StageConfig(epochs=8, lr=1e-3, warmup_steps=30, batch_size=8, best_metric="val/miou")
+
+
+def _world_stage() -> StageConfig:
+    return StageConfig(epochs=12, lr=1e-3, warmup_steps=30, batch_size=8, best_metric="val/miou")
+
+
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    world: WorldConfig = field(default_factory=WorldConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    tokenizer_stage: StageConfig = field(default_factory=_tokenizer_stage)
+    world_stage: StageConfig = field(default_factory=_world_stage)
 
     def validate(self) -> "Config":
         """Validate every section, then what spans sections. Returns self."""
@@ -151,6 +254,9 @@ class Config:
             raise ConfigError("data.past", f"a window of {self.data.window} frames at stride "
                               f"{self.data.stride} spans {self.data.span} frames, longer than the "
                               f"synthetic scenes (synthetic.frames={self.synthetic.frames})")
+        if self.data.window > self.world.max_frames + 1:
+            raise ConfigError("world.max_frames", f"{self.world.max_frames} is shorter than the "
+                              f"{self.data.window - 1} input frames a window feeds (data.past + data.future - 1)")
         return self
 
 

@@ -93,6 +93,14 @@ class OccWindows(Dataset):
     def fingerprint(self) -> str:
         return self.manifest.fingerprint
 
+    @property
+    def num_frames(self) -> int:
+        return sum(s.num_frames for s in self.shards)
+
+    def frame_base(self) -> np.ndarray:
+        """Global index (over this split's frames, shards in manifest order) of each shard's frame 0."""
+        return np.cumsum([0] + [s.num_frames for s in self.shards])[:-1]
+
     def __len__(self) -> int:
         return len(self.index)
 
@@ -115,6 +123,50 @@ class OccWindows(Dataset):
         if self.cfg.use_mask:
             out["mask"] = torch.from_numpy(sh.read("mask", a, b, s))
         return out
+
+
+class CodeWindows(Dataset):
+    """The same windows as `windows`, read from the token cache instead of the shards.
+
+    `codes_path` is a `.npy` of int16 codes (N, h, w), one row per frame of the split in
+    `windows.frame_base()` order (written once by the training loop with the frozen tokenizer).
+    Items: `codes` int16 (T, h, w), `motion` float32 (T, 3), `index`. Opened lazily per process.
+    """
+
+    def __init__(self, windows: OccWindows, codes_path: str | os.PathLike):
+        self.w, self.path = windows, Path(codes_path)
+        self.base = windows.frame_base()
+        self._codes: Optional[np.ndarray] = None
+        codes = self._open()
+        if codes.shape[0] != windows.num_frames or codes.dtype != np.int16:
+            raise DataError(f"token cache {self.path}: {codes.dtype}{codes.shape} does not hold one int16 "
+                            f"code map per frame ({windows.num_frames} frames); delete it to rebuild")
+        self._codes = None  # workers map it themselves
+
+    def _open(self) -> np.ndarray:
+        if self._codes is None:
+            try:
+                self._codes = np.load(self.path, mmap_mode="r")
+            except (OSError, ValueError) as e:
+                raise DataError(f"token cache {self.path} cannot be read ({e}); delete it to rebuild") from None
+        return self._codes
+
+    def __len__(self) -> int:
+        return len(self.w)
+
+    def __getitem__(self, i: int) -> dict:
+        sid, first = self.w.index[i]
+        g, s, span = int(self.base[sid] + first), self.w.cfg.stride, self.w.cfg.span
+        codes = np.array(self._open()[g:g + span:s])
+        sh = self.w.shards[sid]
+        motion = relative_motion(sh.pose[first:first + span:s], self.w.cfg.past - 1)
+        return {"codes": torch.from_numpy(codes), "motion": torch.from_numpy(motion),
+                "index": torch.tensor(i, dtype=torch.int64)}
+
+    def __getstate__(self):
+        d = dict(self.__dict__)
+        d["_codes"] = None
+        return d
 
 
 class ResumableSampler(Sampler[int]):
@@ -187,13 +239,14 @@ class ResumableSampler(Sampler[int]):
         self.epoch, self.consumed = int(d["epoch"]), int(d["consumed"])
 
 
-def make_loader(ds: Dataset, sampler: Sampler, cfg: DataConfig, drop_last: bool = True) -> DataLoader:
+def make_loader(ds: Dataset, sampler, cfg: DataConfig, drop_last: bool = True,
+                batch_size: int = 0) -> DataLoader:
     """DataLoader over `ds` in `sampler`'s order. Workers open HDF5 files lazily (the shards
     reopen their handle in the reading process), memory is pinned for async copies to the GPU,
     and persistent workers keep open handles and warm caches between epochs."""
     workers = cfg.num_workers
     return DataLoader(
-        ds, batch_size=cfg.batch_size, sampler=sampler, num_workers=workers,
+        ds, batch_size=batch_size or cfg.batch_size, sampler=sampler, num_workers=workers,
         pin_memory=cfg.pin_memory and torch.cuda.is_available(), drop_last=drop_last,
         persistent_workers=cfg.persistent_workers and workers > 0,
         prefetch_factor=cfg.prefetch_factor if workers > 0 else None)

@@ -1,0 +1,272 @@
+"""wm.tokenizer: shapes (demo and OccWorld sizes on meta), overfitting, Lovasz, VQ, checkpointing."""
+
+import copy
+
+import pytest
+import torch
+
+from wm.errors import ConfigError, DataError
+from wm.tokenizer import Tokenizer, TokenizerConfig, count_parameters, lovasz_softmax
+
+FREE = 5  # free class of the synthetic test frames (6 classes: 0 ground, 1-4 objects, 5 free)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Single-threaded: tiny models gain nothing from threads, the step counts of the training tests
+    then do not depend on the machine's core count (reduction order), and a busy shared CPU does not
+    stall thread hand-offs. Restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_cfg(**kw) -> TokenizerConfig:
+    base = dict(widths=(8, 8, 16), blocks_per_level=1, codebook_size=16, code_dim=8)
+    base.update(kw)
+    return TokenizerConfig(**base)
+
+
+def synthetic_frames(n: int, x: int = 32, y: int = 32, z: int = 4, seed: int = 1) -> torch.Tensor:
+    """Ground layer (class 0), a few boxes of classes 1-4 on it, free (5) elsewhere. uint8 (n, x, y, z)."""
+    g = torch.Generator().manual_seed(seed)
+    occ = torch.full((n, x, y, z), FREE, dtype=torch.uint8)
+    occ[..., 0] = 0
+    for i in range(n):
+        for _ in range(5):
+            cls = int(torch.randint(1, 5, (1,), generator=g))
+            x0, y0 = torch.randint(0, x - 6, (2,), generator=g).tolist()
+            sx, sy = torch.randint(2, 7, (2,), generator=g).tolist()
+            hz = int(torch.randint(1, z, (1,), generator=g))
+            occ[i, x0 : x0 + sx, y0 : y0 + sy, 1 : 1 + hz] = cls
+    return occ
+
+
+def iou(pred: torch.Tensor, target: torch.Tensor) -> float:
+    p, t = pred != FREE, target != FREE
+    return float((p & t).sum() / (p | t).sum())
+
+
+def test_demo_shapes_and_outputs():
+    torch.manual_seed(0)
+    cfg = TokenizerConfig()
+    m = Tokenizer(cfg, 18, (64, 64, 8))
+    occ = torch.randint(0, 18, (2, 3, 64, 64, 8), dtype=torch.uint8)  # (B, T, X, Y, Z)
+    out = m(occ)
+    assert out["logits"].shape == (2, 3, 18, 64, 64, 8)
+    assert out["codes"].shape == (2, 3, 16, 16) and out["codes"].dtype == torch.long
+    for k in ("loss", "ce", "lovasz", "vq", "perplexity", "code_usage", "dead_codes"):
+        assert out[k].shape == () and torch.isfinite(out[k]), k
+    assert 1.0 <= float(out["perplexity"]) <= cfg.codebook_size
+    assert 0.0 < float(out["code_usage"]) <= 1.0
+    m.eval()
+    with torch.no_grad():
+        codes = m.encode(occ[:, 0])
+        assert codes.shape == (2, 16, 16) and codes.dtype == torch.long
+        assert int(codes.min()) >= 0 and int(codes.max()) < cfg.codebook_size
+        assert torch.equal(codes, m.encode(occ[:, 0].long()))  # uint8 and long inputs agree
+        logits = m.decode(codes)
+        assert logits.shape == (2, 18, 64, 64, 8)
+        assert torch.equal(m.encode(occ), m(occ)["codes"])  # eval forward codes == encode
+    assert m.codebook.shape == (cfg.codebook_size, cfg.code_dim)
+
+
+def test_occworld_sizes_on_meta():
+    cfg = TokenizerConfig.occworld()
+    with torch.device("meta"):
+        m = Tokenizer(cfg, 18, (200, 200, 16))
+        out = m(torch.zeros(1, 2, 200, 200, 16, dtype=torch.uint8))
+    n = count_parameters(m)
+    assert 13.5e6 < n < 14.5e6, n  # OccWorld's VQ-VAE: ~14 M
+    assert out["logits"].shape == (1, 2, 18, 200, 200, 16)
+    assert out["codes"].shape == (1, 2, 50, 50)
+    assert m.codebook.shape == (512, 128)
+
+
+def test_overfits_small_batch():
+    """Reconstruction IoU (occupied vs free) > 0.9, also on the box layers alone (ground excluded)."""
+    torch.manual_seed(0)
+    occ = synthetic_frames(4)
+    m = Tokenizer(TokenizerConfig(dead_code_steps=20), 6, (32, 32, 4))  # demo sizes otherwise
+    opt = torch.optim.Adam(m.parameters(), lr=2e-3)
+    best = (0.0, 0.0)
+    for step in range(1, 401):  # converges in ~160-200 steps
+        out = m(occ)
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+        m.reset_dead_codes()
+        if step % 20 == 0:
+            m.eval()
+            with torch.no_grad():
+                pred = m.decode(m.encode(occ)).argmax(1)
+            m.train()
+            best = (iou(pred, occ), iou(pred[..., 1:], occ[..., 1:]))
+            if min(best) > 0.9:
+                break
+    assert min(best) > 0.9, f"IoU (all, boxes) after {step} steps: {best}"
+
+
+def reference_lovasz(probs, labels, classes="present"):
+    """Berman et al.'s lovasz_softmax_flat (classes='present' or 'all'), one class at a time."""
+    losses = []
+    for c in range(probs.shape[1]):
+        fg = (labels == c).to(probs.dtype)
+        if classes == "present" and fg.sum() == 0:
+            continue
+        errors = (fg - probs[:, c]).abs()
+        errors_sorted, perm = torch.sort(errors, 0, descending=True)
+        fg_sorted = fg[perm]
+        gts = fg_sorted.sum()
+        jaccard = 1.0 - (gts - fg_sorted.cumsum(0)) / (gts + (1 - fg_sorted).cumsum(0))
+        jaccard[1:] = jaccard[1:] - jaccard[:-1]
+        losses.append(torch.dot(errors_sorted, jaccard))
+    return torch.stack(losses).mean()
+
+
+@pytest.mark.parametrize(
+    "points,chunk_elements",
+    [(500, 1 << 27), (500, 1000), (9000, 1 << 27)],  # all classes at once; 2 classes a chunk; blocked scans
+)
+def test_lovasz_matches_reference_value_and_grad(points, chunk_elements, monkeypatch):
+    import wm.tokenizer as tk
+
+    monkeypatch.setattr(tk, "LOVASZ_CHUNK_ELEMENTS", chunk_elements)
+    torch.manual_seed(0)
+    logits = torch.randn(points, 6, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 5, (points,))  # class 5 absent: excluded as in classes='present'
+    ours = lovasz_softmax(logits.softmax(1), labels)
+    (g_ours,) = torch.autograd.grad(ours, logits)
+    ref = reference_lovasz(logits.softmax(1), labels)
+    (g_ref,) = torch.autograd.grad(ref, logits)
+    assert torch.allclose(ours, ref, atol=1e-12)
+    assert torch.allclose(g_ours, g_ref, atol=1e-12)
+    ours_all = lovasz_softmax(logits.softmax(1), labels, present_only=False)
+    assert torch.allclose(ours_all, reference_lovasz(logits.softmax(1), labels, "all"), atol=1e-12)
+    # perfect prediction -> zero loss
+    perfect = torch.nn.functional.one_hot(labels, 6).double()
+    assert float(lovasz_softmax(perfect, labels)) == 0.0
+
+
+def test_quantizer_picks_exact_nearest_code():
+    torch.manual_seed(0)
+    q = Tokenizer(tiny_cfg(codebook_size=64, code_dim=16), 6, (16, 16, 2)).quantizer
+    with torch.no_grad():
+        q.codebook.weight.normal_()
+    z = torch.randn(2000, 16)
+    expected = torch.cdist(z.double(), q.codebook.weight.double()).argmin(1)
+    assert torch.equal(q.nearest(z), expected)
+    # straight-through output equals the selected codes, with the commitment/codebook loss
+    zq, codes, vq, stats = q(z.t().reshape(1, 16, 40, 50))
+    assert torch.allclose(zq.reshape(16, -1).t(), q.codebook.weight[expected], atol=1e-6)
+    assert torch.equal(codes.flatten(), expected)
+    assert float(vq.detach()) > 0 and 1 <= float(stats["perplexity"]) <= 64
+
+
+def test_straight_through_gradient_reaches_encoder():
+    torch.manual_seed(0)
+    m = Tokenizer(tiny_cfg(vq_weight=0.0), 6, (16, 16, 2))  # no VQ term: only the decoder path remains
+    out = m(synthetic_frames(2, 16, 16, 2))
+    out["loss"].backward()
+    for p in (m.enc_in.weight, m.enc_out.weight, m.class_embed.weight):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+    # and the codebook gets its gradient from the VQ term only
+    assert m.quantizer.codebook.weight.grad is None or m.quantizer.codebook.weight.grad.abs().sum() == 0
+
+
+def test_dead_code_reset_replaces_unused_codes():
+    def run(seed):
+        torch.manual_seed(seed)
+        m = Tokenizer(tiny_cfg(dead_code_steps=2, codebook_size=64), 6, (16, 16, 2))
+        occ = synthetic_frames(2, 16, 16, 2)
+        before = m.codebook.detach().clone()
+        with torch.no_grad():
+            m(occ)
+            assert m.reset_dead_codes() == 0  # nothing is 2 forwards old yet
+            out = m(occ)
+        age = m.quantizer.code_age.clone()
+        dead = age >= 2
+        assert int(out["dead_codes"]) == int(dead.sum()) > 0
+        z = m.quantizer._recent_z
+        n = m.reset_dead_codes()
+        assert n == int(dead.sum())
+        after = m.codebook.detach()
+        assert torch.equal(after[~dead], before[~dead])  # used codes untouched
+        assert not torch.equal(after[dead], before[dead])
+        # every reset code is one of the current encoder outputs
+        assert bool((after[dead][:, None, :] == z[None]).all(-1).any(1).all())
+        assert int(m.quantizer.code_age[dead].sum()) == 0
+        assert m.reset_dead_codes() == 0
+        return after.clone()
+
+    assert torch.equal(run(0), run(0))  # deterministic given the torch RNG
+
+
+def test_dead_code_reset_off():
+    torch.manual_seed(0)
+    m = Tokenizer(tiny_cfg(dead_code_steps=0), 6, (16, 16, 2))
+    before = m.codebook.detach().clone()
+    with torch.no_grad():
+        for _ in range(3):
+            m(synthetic_frames(1, 16, 16, 2))
+    assert m.reset_dead_codes() == 0 and torch.equal(m.codebook, before)
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_activation_checkpointing_same_gradients(every, monkeypatch):
+    import wm.tokenizer as tk
+
+    calls = []
+
+    def counting_checkpoint(fn, *args, **kw):
+        assert kw.get("use_reentrant") is False
+        calls.append(fn)
+        return torch.utils.checkpoint.checkpoint(fn, *args, **kw)
+
+    monkeypatch.setattr(tk, "checkpoint", counting_checkpoint)
+    torch.manual_seed(0)
+    base = Tokenizer(tiny_cfg(blocks_per_level=2), 6, (16, 16, 2))
+    ck = copy.deepcopy(base)
+    ck.cfg = tiny_cfg(blocks_per_level=2, checkpoint_every=every)
+    occ = synthetic_frames(2, 16, 16, 2)
+    out_a = base(occ)
+    assert not calls
+    out_b = ck(occ)
+    n_blocks = sum(isinstance(b, (tk.ResBlock, tk.AttnBlock)) for b in [*ck.encoder, *ck.decoder])
+    assert len(calls) == (n_blocks + every - 1) // every
+    out_a["loss"].backward()
+    out_b["loss"].backward()
+    assert torch.equal(out_a["codes"], out_b["codes"])
+    assert torch.allclose(out_a["loss"], out_b["loss"], atol=1e-6)
+    for (name, pa), pb in zip(base.named_parameters(), ck.parameters()):
+        assert pa.grad is not None, name
+        assert torch.allclose(pa.grad, pb.grad, atol=1e-6, rtol=0), name
+    calls.clear()
+    with torch.no_grad():  # never when grad is off
+        ck(occ)
+    ck.eval()
+    ck(occ)  # nor in eval mode
+    assert not calls
+
+
+def test_validate_and_grid_errors():
+    with pytest.raises(ConfigError) as e:
+        TokenizerConfig(widths=(16, 32)).validate()
+    assert e.value.key == "widths"
+    with pytest.raises(ConfigError) as e:
+        TokenizerConfig(codebook_size=1).validate()
+    assert e.value.key == "codebook_size"
+    with pytest.raises(ConfigError) as e:
+        TokenizerConfig(checkpoint_every=-1).validate()
+    assert e.value.key == "checkpoint_every"
+    with pytest.raises(ConfigError) as e:
+        TokenizerConfig(attn_heads=3).validate()
+    assert e.value.key == "attn_heads"
+    TokenizerConfig().validate()
+    TokenizerConfig.occworld().validate()
+    with pytest.raises(DataError):
+        Tokenizer(tiny_cfg(), 6, (30, 32, 4))
+    m = Tokenizer(tiny_cfg(), 6, (16, 16, 2))
+    with pytest.raises(ValueError):
+        m.encode(torch.zeros(1, 16, 16, 3, dtype=torch.uint8))

@@ -1,0 +1,227 @@
+"""wm.world: shapes (demo and OccWorld sizes on meta), learning a constant-velocity scene, causality,
+rollout, activation checkpointing."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from wm.errors import ConfigError
+from wm.tokenizer import Tokenizer, TokenizerConfig
+from wm.world import WorldConfig, WorldModel, compose_motion, count_parameters, displacement
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Single-threaded: tiny models gain nothing from threads, the step counts of the training tests
+    then do not depend on the machine's core count (reduction order), and a busy shared CPU does not
+    stall thread hand-offs. Restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_cfg(**kw) -> WorldConfig:
+    base = dict(widths=(16, 32, 32), temporal_layers=1, pose_layers=1, heads=4, blocks_per_level=1, max_frames=8)
+    base.update(kw)
+    return WorldConfig(**base)
+
+
+def constant_velocity(n: int, k: int, size: int, frames: int, g: torch.Generator, cell: float = 1.6):
+    """Random code texture seen by an ego moving one cell per frame in one of 4 directions (per sample):
+    the token map shifts by one cell per frame. Motion = (x, y, yaw) relative to frame `frames // 2`."""
+    canvas = torch.randint(0, k, (n, size + 2 * frames, size + 2 * frames), generator=g)
+    dirs = torch.tensor([[1, 0], [-1, 0], [0, 1], [0, -1]])[torch.randint(0, 4, (n,), generator=g)]
+    codes = torch.empty(n, frames, size, size, dtype=torch.long)
+    motion = torch.zeros(n, frames, 3)
+    ref = frames // 2
+    for i in range(n):
+        for t in range(frames):
+            ox, oy = frames + int(dirs[i, 0]) * t, frames + int(dirs[i, 1]) * t
+            codes[i, t] = canvas[i, ox : ox + size, oy : oy + size]
+            motion[i, t, :2] = dirs[i].float() * (t - ref) * cell
+    return codes.to(torch.int16), motion  # int16 like the token cache
+
+
+def test_demo_shapes():
+    torch.manual_seed(0)
+    m = WorldModel(WorldConfig(), 128)
+    codes = torch.randint(0, 128, (2, 6, 16, 16))
+    motion = torch.randn(2, 6, 3)
+    out = m(codes[:, :5], motion[:, :5])
+    assert out["logits"].shape == (2, 5, 128, 16, 16)
+    assert out["motion"].shape == (2, 5, 3)
+    res = m.window_loss(codes, motion)
+    for k in ("loss", "ce", "motion_l2", "acc", "copy_last_acc"):
+        assert res[k].shape == () and torch.isfinite(res[k]), k
+    res["loss"].backward()
+    m.eval()
+    with torch.no_grad():
+        c, mo = m.rollout(codes[:, :3].to(torch.uint8), motion[:, :3], steps=4)
+    assert c.shape == (2, 4, 16, 16) and c.dtype == torch.long and mo.shape == (2, 4, 3)
+    # odd token maps (padding before stride-2 convs, crop after transposed convs)
+    assert m(codes[:, :2, :13, :11], motion[:, :2])["logits"].shape == (2, 2, 128, 13, 11)
+
+
+def test_occworld_sizes_on_meta():
+    with torch.device("meta"):
+        m = WorldModel(WorldConfig.occworld(), 512)
+        out = m(torch.zeros(1, 15, 50, 50, dtype=torch.long), torch.zeros(1, 15, 3))
+    n = count_parameters(m, trainable_only=True)
+    assert 55e6 <= n <= 58e6, n  # OccWorld's world model: ~58 M trainable
+    assert out["logits"].shape == (1, 15, 512, 50, 50)
+    assert out["motion"].shape == (1, 15, 3)
+
+
+def test_learns_constant_velocity_beats_copy_last():
+    """Teacher-forced accuracy and a 2-step rollout from true past frames both beat copy-last clearly."""
+    torch.manual_seed(0)
+    k, size, frames = 16, 8, 6
+    m = WorldModel(tiny_cfg(widths=(32, 64), heads=4), k)
+    opt = torch.optim.AdamW(m.parameters(), lr=2e-3)
+    g = torch.Generator().manual_seed(0)
+    codes, motion = constant_velocity(32, k, size, frames, torch.Generator().manual_seed(123))
+    copy_roll = float((codes[:, 3:4].long() == codes[:, 4:].long()).float().mean())
+    for step in range(1, 151):  # ~20-30 steps needed; ~0.8 accuracy by 150
+        r = m.window_loss(*constant_velocity(16, k, size, frames, g))
+        opt.zero_grad()
+        r["loss"].backward()
+        opt.step()
+        if step % 10 == 0:
+            m.eval()
+            with torch.no_grad():
+                e = m.window_loss(codes, motion)
+                pred, _ = m.rollout(codes[:, :4], motion[:, :4], steps=2)
+            m.train()
+            acc, copy_acc = float(e["acc"]), float(e["copy_last_acc"])
+            rollout_acc = float((pred == codes[:, 4:].long()).float().mean())
+            if acc > copy_acc + 0.2 and rollout_acc > copy_roll + 0.1:
+                break
+    assert acc > copy_acc + 0.2, f"after {step} steps: accuracy {acc:.3f} vs copy-last {copy_acc:.3f}"
+    assert rollout_acc > copy_roll + 0.1, f"after {step} steps: rollout {rollout_acc:.3f} vs copy-last {copy_roll:.3f}"
+
+
+def test_teacher_forced_forward_is_causal():
+    torch.manual_seed(0)
+    m = WorldModel(tiny_cfg(), 32).eval()
+    codes = torch.randint(0, 32, (2, 6, 8, 8))
+    motion = torch.randn(2, 6, 3)
+    base = m(codes, motion)
+    for t in (0, 2, 4):  # change frame t+1 (codes and motion): outputs at <= t must not move
+        c2, m2 = codes.clone(), motion.clone()
+        c2[:, t + 1] = torch.randint(0, 32, (2, 8, 8))
+        m2[:, t + 1] += 1.0
+        out = m(c2, m2)
+        assert torch.allclose(out["logits"][:, : t + 1], base["logits"][:, : t + 1], atol=1e-6)
+        assert torch.allclose(out["motion"][:, : t + 1], base["motion"][:, : t + 1], atol=1e-6)
+        assert not torch.allclose(out["logits"][:, t + 1], base["logits"][:, t + 1])  # and it does matter
+
+
+def test_rollout_horizon_and_causality():
+    torch.manual_seed(0)
+    m = WorldModel(tiny_cfg(max_frames=6), 32).eval()
+    past = torch.randint(0, 32, (2, 4, 8, 8))
+    past_motion = torch.randn(2, 4, 3)
+    fut = torch.randn(2, 5, 3)
+    with torch.no_grad():
+        c5, m5 = m.rollout(past, past_motion, steps=5)
+        c2, m2 = m.rollout(past, past_motion, steps=2)
+        assert c5.shape == (2, 5, 8, 8) and m5.shape == (2, 5, 3)
+        assert torch.equal(c2, c5[:, :2]) and torch.allclose(m2, m5[:, :2])  # shorter horizon = prefix
+        # the first step equals the teacher-forced prediction at the last past frame
+        tf = m(past, past_motion)
+        assert torch.equal(c5[:, 0], tf["logits"][:, -1].argmax(1))
+        assert torch.allclose(m5[:, 0], tf["motion"][:, -1], atol=1e-6)
+        # given future motion is returned as is and only affects later steps
+        cg, mg = m.rollout(past, past_motion, steps=5, future_motion=fut)
+        assert torch.equal(mg, fut)
+        assert torch.equal(cg[:, 0], c5[:, 0])  # step 0 sees no future motion
+        for s in range(4):
+            fut2 = fut.clone()
+            fut2[:, s] += 3.0
+            cs, ms = m.rollout(past, past_motion, steps=5, future_motion=fut2)
+            assert torch.equal(cs[:, : s + 1], cg[:, : s + 1]), s
+            assert torch.equal(ms[:, :s], mg[:, :s])
+
+
+def test_motion_helpers_and_constant_velocity_prior():
+    poses = torch.tensor([[[0.0, 0.0, 0.0], [1.0, 0.5, 0.1], [1.9, 1.2, 0.2]]])
+    d = displacement(poses)
+    assert torch.allclose(d[:, 0], torch.zeros(1, 3))
+    assert torch.allclose(compose_motion(poses[:, :-1], d[:, 1:]), poses[:, 1:], atol=1e-6)
+    # an untrained model predicts constant velocity (zero-initialised displacement head)
+    m = WorldModel(tiny_cfg(), 8).eval()
+    traj = torch.stack([torch.tensor([t * 2.0, 0.0, 0.0]) for t in range(-3, 1)])[None]  # 2 m / frame along x
+    with torch.no_grad():
+        _, fut = m.rollout(torch.zeros(1, 4, 8, 8, dtype=torch.long), traj, steps=3)
+    assert torch.allclose(fut, torch.tensor([[[2.0, 0, 0], [4.0, 0, 0], [6.0, 0, 0]]]), atol=1e-5)
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_activation_checkpointing_same_gradients(every, monkeypatch):
+    import wm.world as wd
+
+    calls = []
+
+    def counting_checkpoint(fn, *args, **kw):
+        assert kw.get("use_reentrant") is False
+        calls.append(fn)
+        return torch.utils.checkpoint.checkpoint(fn, *args, **kw)
+
+    monkeypatch.setattr(wd, "checkpoint", counting_checkpoint)
+    torch.manual_seed(0)
+    base = WorldModel(tiny_cfg(widths=(16, 32), blocks_per_level=2, temporal_layers=2), 32)
+    ck = copy.deepcopy(base)
+    ck.cfg = dataclasses.replace(base.cfg, checkpoint_every=every)
+    codes = torch.randint(0, 32, (2, 5, 8, 8))
+    motion = torch.randn(2, 5, 3)
+    ra = base.window_loss(codes, motion)
+    assert not calls
+    rb = ck.window_loss(codes, motion)
+    # blocks: per level (1 encoder, 1 decoder) temporal 2 + pose 1 + res 2, plus 2 bottom res blocks = 12
+    assert len(calls) == (12 + every - 1) // every
+    ra["loss"].backward()
+    rb["loss"].backward()
+    assert torch.allclose(ra["loss"], rb["loss"], atol=1e-6)
+    for (name, pa), pb in zip(base.named_parameters(), ck.parameters()):
+        assert pa.grad is not None, name
+        assert torch.allclose(pa.grad, pb.grad, atol=1e-6, rtol=0), name
+    calls.clear()
+    with torch.no_grad():
+        ck.window_loss(codes, motion)
+    assert not calls
+
+
+def test_init_code_embedding_from_tokenizer():
+    tok = Tokenizer(TokenizerConfig(widths=(8, 8, 16), codebook_size=32, code_dim=16), 6, (16, 16, 2))
+    m = WorldModel(tiny_cfg(), 32)
+    m.init_code_embedding(tok.codebook, freeze=True)
+    assert torch.equal(m.code_embed.weight, tok.codebook)
+    assert not m.code_embed.weight.requires_grad
+    assert count_parameters(m, trainable_only=True) == count_parameters(m) - 32 * 16
+    with pytest.raises(ValueError):
+        WorldModel(tiny_cfg(widths=(32, 32)), 32).init_code_embedding(tok.codebook)
+
+
+def test_validate():
+    WorldConfig().validate()
+    WorldConfig.occworld().validate()
+    for kw, key in (
+        (dict(widths=(32,)), "widths"),
+        (dict(heads=3), "heads"),
+        (dict(max_frames=0), "max_frames"),
+        (dict(checkpoint_every=-1), "checkpoint_every"),
+        (dict(motion_weight=-1.0), "motion_weight"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            WorldConfig(**kw).validate()
+        assert e.value.key == key
+    m = WorldModel(tiny_cfg(max_frames=4), 8)
+    with pytest.raises(ValueError):
+        m(torch.zeros(1, 5, 8, 8, dtype=torch.long), torch.zeros(1, 5, 3))
+    # rollout slides a max_frames window, so long pasts and horizons still work
+    with torch.no_grad():
+        c, _ = m.eval().rollout(torch.zeros(1, 6, 8, 8, dtype=torch.long), torch.zeros(1, 6, 3), steps=3)
+    assert c.shape == (1, 3, 8, 8)

@@ -1,0 +1,549 @@
+"""VQ-VAE tokenizer over occupancy frames (OccWorld's, see wzzheng/OccWorld model/VAE/*).
+
+Data flow for one frame `occ` (X, Y, Z) uint8 class ids:
+
+    class embedding (num_classes x embed_dim) per voxel -> (Z*embed_dim, X, Y)   height folded into channels
+    2D ResNet encoder: conv_in, 3 levels of `blocks_per_level` ResBlocks with a stride-2 conv between
+        levels (X -> X/2 -> X/4), attention after every block of the lowest level, mid ResBlock/Attn/ResBlock,
+        GroupNorm + SiLU + conv_out -> (code_dim, X/4, Y/4)
+    vector quantizer (codebook_size x code_dim, straight-through) -> codes (X/4, Y/4)
+    mirrored decoder -> (Z*embed_dim, X, Y) -> per voxel dot product with the class embedding table
+        (the "transposed class embedding" head) -> logits (num_classes, X, Y, Z)
+
+Loss = ce_weight * CE + lovasz_weight * Lovasz-softmax + vq_weight * (codebook + commitment * commit).
+
+Frames may carry any number of leading dims: (B, X, Y, Z) or (B, T, X, Y, Z); outputs keep them.
+Model code knows nothing of devices, DDP or AMP.
+
+Dead-code reset: a training forward ages every code (buffer `code_age`, saved in checkpoints) and keeps
+a reference to its encoder outputs; `reset_dead_codes()` (call it after `optimizer.step()`) re-initialises
+codes unused for `dead_code_steps` training forwards (micro-batches) from those outputs, using the torch
+RNG. DDP does not sync in-place parameter edits: call it on rank 0 only, then broadcast
+`quantizer.codebook.weight` and `quantizer.code_age` from rank 0 to all ranks (DDP's default buffer
+broadcast already makes rank 0's `code_age` everyone's at each forward).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from wm.errors import ConfigError, DataError
+
+__all__ = [
+    "TokenizerConfig",
+    "Tokenizer",
+    "VectorQuantizer",
+    "lovasz_softmax",
+    "count_parameters",
+    "ResBlock",
+]
+
+
+# ------------------------------------------------------------------------------------------ config
+
+
+@dataclass
+class TokenizerConfig:
+    """Tokenizer hyper-parameters. Defaults give the small CPU demo model; `occworld()` gives OccWorld's."""
+
+    embed_dim: int = 8  # class embedding dim per voxel (channels in = Z * embed_dim)
+    widths: tuple[int, ...] = (16, 32, 64)  # encoder widths of the 3 levels; two stride-2 downsamples
+    blocks_per_level: int = 1  # ResBlocks per level (encoder and decoder)
+    attn_heads: int = 1  # heads of the spatial attention at the lowest resolution
+    lowest_attention: bool = True  # attention after every block of the lowest level (mid attn always)
+    codebook_size: int = 128  # number of codes K
+    code_dim: int = 32  # dim of each code
+    commitment: float = 0.25  # beta: VQ loss = |sg(z)-e|^2 + beta * |z-sg(e)|^2
+    ce_weight: float = 10.0
+    lovasz_weight: float = 1.0
+    vq_weight: float = 1.0
+    dead_code_steps: int = 100  # reset codes unused for this many training forwards; 0 = never
+    checkpoint_every: int = 0  # activation checkpointing: 0 off, 1 every block, k every k-th block
+
+    @classmethod
+    def occworld(cls) -> "TokenizerConfig":
+        """OccWorld's VQ-VAE sizes (config/train_vqvae.py: base 64, ch_mult (1,2,4), 2 blocks, 512 x 128)."""
+        return cls(
+            embed_dim=8,
+            widths=(64, 128, 256),
+            blocks_per_level=2,
+            attn_heads=1,
+            lowest_attention=True,
+            codebook_size=512,
+            code_dim=128,
+            commitment=1.0,
+            ce_weight=10.0,
+            lovasz_weight=1.0,
+            vq_weight=1.0,
+            dead_code_steps=200,
+            checkpoint_every=0,
+        )
+
+    def validate(self) -> None:
+        for name in ("embed_dim", "blocks_per_level", "attn_heads", "code_dim"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if len(self.widths) != 3:
+            raise ConfigError("widths", f"needs exactly 3 widths (two stride-2 downsamples), got {self.widths}")
+        for w in self.widths:
+            if w < 4 or w % 4:
+                raise ConfigError("widths", f"every width must be a multiple of 4 (GroupNorm), got {self.widths}")
+        if self.widths[-1] % self.attn_heads:
+            raise ConfigError("attn_heads", f"must divide the lowest-level width {self.widths[-1]}")
+        if self.codebook_size < 2:
+            raise ConfigError("codebook_size", f"must be >= 2, got {self.codebook_size}")
+        for name in ("commitment", "ce_weight", "lovasz_weight", "vq_weight"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ConfigError(name, f"must be a finite number >= 0, got {v}")
+        if self.dead_code_steps < 0:
+            raise ConfigError("dead_code_steps", f"must be >= 0 (0 = off), got {self.dead_code_steps}")
+        if self.checkpoint_every < 0:
+            raise ConfigError("checkpoint_every", f"must be >= 0 (0 = off), got {self.checkpoint_every}")
+
+
+def count_parameters(module: nn.Module, trainable_only: bool = False) -> int:
+    """Number of parameter elements (works on the meta device)."""
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
+
+
+# ------------------------------------------------------------------------------------------ blocks
+
+
+def _groups(c: int) -> int:
+    """GroupNorm groups as OccWorld's Normalize: 32 for wide layers, c/4 for narrow ones (always divides c)."""
+    return math.gcd(c, 32 if c > 32 else max(c // 4, 1))
+
+
+def norm(c: int) -> nn.GroupNorm:
+    return nn.GroupNorm(_groups(c), c, eps=1e-6)
+
+
+class ResBlock(nn.Module):
+    """Pre-activation residual block: GN-SiLU-conv3x3-GN-SiLU-conv3x3 (+ 1x1 shortcut when widths differ)."""
+
+    def __init__(self, cin: int, cout: int):
+        super().__init__()
+        self.norm1, self.conv1 = norm(cin), nn.Conv2d(cin, cout, 3, 1, 1)
+        self.norm2, self.conv2 = norm(cout), nn.Conv2d(cout, cout, 3, 1, 1)
+        self.shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv2(F.silu(self.norm2(h)))
+        return self.shortcut(x) + h
+
+
+class AttnBlock(nn.Module):
+    """Spatial self-attention over all H*W positions (residual), via F.scaled_dot_product_attention.
+    q, k, v are laid out (N, heads, HW, d) with contiguous d, so the fused (flash / memory-efficient)
+    kernels apply instead of the float32 math fallback."""
+
+    def __init__(self, c: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm = norm(c)
+        self.qkv = nn.Linear(c, 3 * c)
+        self.proj = nn.Linear(c, c)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, c, h, w = x.shape
+        t = self.norm(x).flatten(2).transpose(1, 2)  # (N, HW, C)
+        q, k, v = self.qkv(t).reshape(n, h * w, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v)  # (N, heads, HW, d)
+        o = self.proj(o.transpose(1, 2).reshape(n, h * w, c))
+        return x + o.transpose(1, 2).reshape(n, c, h, w)
+
+
+class Downsample(nn.Module):
+    def __init__(self, c: int):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, 2, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(x)
+
+
+class Upsample(nn.Module):
+    def __init__(self, c: int):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, 1, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+
+
+def _run_blocks(blocks: nn.ModuleList, x: Tensor, every: int, active: bool, start: int = 0) -> tuple[Tensor, int]:
+    """Apply `blocks` in order; ResBlock/AttnBlock number i (counted from `start`) is activation-checkpointed
+    when `active` and i % every == 0. Returns the output and the next block number."""
+    i = start
+    for blk in blocks:
+        if isinstance(blk, (ResBlock, AttnBlock)):
+            if active and every > 0 and i % every == 0:
+                x = checkpoint(blk, x, use_reentrant=False)
+            else:
+                x = blk(x)
+            i += 1
+        else:
+            x = blk(x)
+    return x, i
+
+
+# ------------------------------------------------------------------------------------------ quantizer
+
+
+class VectorQuantizer(nn.Module):
+    """Nearest-neighbour codebook lookup with straight-through gradients and usage tracking.
+
+    Distances are ||e||^2 - 2 z.e (the ||z||^2 term does not change the argmin): one (N, K) matrix from
+    one matmul, no (N, K, D) broadcast, computed without grad; the few best candidates per row are
+    re-scored exactly (N, refine, D).
+    """
+
+    refine = 4  # candidates re-scored exactly per row (see `nearest`)
+
+    def __init__(self, codebook_size: int, code_dim: int, commitment: float, dead_code_steps: int):
+        super().__init__()
+        self.codebook = nn.Embedding(codebook_size, code_dim)
+        nn.init.uniform_(self.codebook.weight, -1.0 / codebook_size, 1.0 / codebook_size)  # as OccWorld
+        self.commitment = commitment
+        self.dead_code_steps = dead_code_steps
+        # training forwards since each code was last selected (checkpointed with the model)
+        self.register_buffer("code_age", torch.zeros(codebook_size, dtype=torch.long))
+        self._recent_z: Tensor | None = None  # last training batch's encoder outputs (N, D), for resets
+
+    @property
+    def size(self) -> int:
+        return self.codebook.num_embeddings
+
+    def nearest(self, z: Tensor) -> Tensor:
+        """z (N, D) -> code ids (N,) long.
+
+        One (N, K) matmul ranks the codes; the best `refine` of each row are then re-scored exactly in
+        float32 with elementwise ops, so a low-precision matmul (e.g. under bf16 autocast, or an FP16/INT8
+        export) cannot flip near-ties between codes."""
+        with torch.no_grad():
+            e = self.codebook.weight
+            d = torch.addmm((e * e).sum(1).to(z.dtype)[None], z, e.t().to(z.dtype), alpha=-2.0)
+            k = min(self.refine, self.size)
+            if k <= 1:
+                return d.argmin(1)
+            cand = d.topk(k, dim=1, largest=False).indices  # (N, k)
+            exact = (z.float()[:, None, :] - e.float()[cand]).pow(2).sum(-1)  # (N, k)
+            return cand.gather(1, exact.argmin(1, keepdim=True)).squeeze(1)
+
+    def forward(self, z: Tensor) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
+        """z (N, D, h, w) -> (z_q (N, D, h, w) straight-through, codes (N, h, w), vq loss, usage stats)."""
+        n, d, h, w = z.shape
+        zf = z.permute(0, 2, 3, 1).reshape(-1, d)
+        idx = self.nearest(zf)
+        zq = self.codebook(idx)
+        vq = F.mse_loss(zq, zf.detach()) + self.commitment * F.mse_loss(zf, zq.detach())
+        zq = zf + (zq - zf).detach()  # straight-through estimator
+        counts = torch.zeros(self.size, device=z.device, dtype=torch.float32).index_add_(
+            0, idx, torch.ones_like(idx, dtype=torch.float32)
+        )
+        if self.training:
+            with torch.no_grad():
+                self.code_age.add_(1).masked_fill_(counts > 0, 0)
+            self._recent_z = zf.detach()
+        p = counts / idx.numel()
+        stats = {
+            "perplexity": torch.exp(-(p * torch.log(p.clamp_min(1e-10))).sum()).detach(),
+            "code_usage": (counts > 0).float().mean().detach(),
+        }
+        zq = zq.reshape(n, h, w, d).permute(0, 3, 1, 2)
+        return zq, idx.reshape(n, h, w), vq, stats
+
+    def lookup(self, codes: Tensor) -> Tensor:
+        """codes (N, h, w) long -> (N, D, h, w)."""
+        return self.codebook(codes).permute(0, 3, 1, 2)
+
+    @torch.no_grad()
+    def reset_dead_codes(self, candidates: Tensor | None = None) -> int:
+        """Re-initialise codes whose age reached `dead_code_steps` from rows of `candidates` (M, D) (default:
+        the last training forward's encoder outputs), drawn without replacement where possible with the
+        torch RNG. Returns how many codes were reset (0 when off or nothing is dead)."""
+        if self.dead_code_steps <= 0:
+            return 0
+        dead = (self.code_age >= self.dead_code_steps).nonzero().flatten()
+        cand = self._recent_z if candidates is None else candidates
+        if dead.numel() == 0 or cand is None or cand.numel() == 0:
+            return 0
+        cand = cand.reshape(-1, self.codebook.embedding_dim)
+        m = dead.numel()
+        if cand.shape[0] >= m:
+            pick = torch.randperm(cand.shape[0], device=cand.device)[:m]
+        else:
+            pick = torch.randint(0, cand.shape[0], (m,), device=cand.device)
+        w = self.codebook.weight
+        w[dead.to(w.device)] = cand[pick].to(w.device, w.dtype)
+        self.code_age[dead] = 0
+        return m
+
+
+# ------------------------------------------------------------------------------------------ losses
+
+
+LOVASZ_CHUNK_ELEMENTS = 1 << 27  # class-chunk size bound of lovasz_softmax's temporaries (~33 B each)
+
+
+def _row_cumsum(x: Tensor, block: int = 1024) -> Tensor:
+    """Inclusive cumsum along dim 1 of a (R, P) integer tensor with few, very long rows, in x's dtype.
+    Blocked (cumsum inside blocks, then over block totals) so that GPUs scan many short rows in parallel
+    instead of R long ones."""
+    r, p = x.shape
+    if p <= 4 * block:
+        return x.cumsum(1, dtype=x.dtype)
+    xb = F.pad(x, (0, (-p) % block)).view(r, -1, block)
+    inner = xb.cumsum(2, dtype=x.dtype)
+    totals = inner[:, :, -1]
+    offsets = totals.cumsum(1, dtype=x.dtype) - totals
+    return (inner + offsets[:, :, None]).view(r, -1)[:, :p]
+
+
+def _lovasz_terms(probs: Tensor, labels: Tensor, present_only: bool) -> tuple[Tensor, Tensor]:
+    """Loss and its gradient w.r.t. `probs` (the Lovasz extension is piecewise linear: for a fixed sort
+    order the gradient of each class's loss w.r.t. its sorted errors is the Lovasz gradient vector).
+
+    Works class-major (C, P) so that the sort, gather and scans run over contiguous rows, a chunk of
+    classes at a time so that the temporaries stay near LOVASZ_CHUNK_ELEMENTS however large the batch.
+    Counts are exact integers (int32/int64), and the Lovasz gradient J_i - J_{i-1} of the Jaccard loss
+    J_i = 1 - I_i / U_i is taken in closed form (1/U_i at a foreground point, I_i / (U_i (U_i - 1)) at a
+    background one) instead of by subtracting neighbours, which cancels catastrophically in float32
+    once a class has millions of points."""
+    num_points, num_classes = probs.shape
+    dtype, dev = probs.dtype, probs.device
+    counts = torch.zeros(num_classes, device=dev, dtype=torch.long).index_add_(0, labels, torch.ones_like(labels))
+    if present_only:
+        weight = (counts > 0).to(dtype)
+        weight = weight / weight.sum().clamp_min(1.0)
+    else:
+        weight = torch.full((num_classes,), 1.0 / num_classes, device=dev, dtype=dtype)
+    rank = torch.arange(1, num_points + 1, device=dev, dtype=torch.int32)[None]  # points up to and incl. i
+    grad = torch.empty(num_classes, num_points, device=dev, dtype=dtype)
+    loss = probs.new_zeros(())
+    chunk = max(1, min(num_classes, LOVASZ_CHUNK_ELEMENTS // max(num_points, 1)))
+    for c0 in range(0, num_classes, chunk):
+        c1 = min(c0 + chunk, num_classes)
+        fg = labels[None, :] == torch.arange(c0, c1, device=dev)[:, None]  # (c, P) bool
+        diff = fg.to(dtype) - probs[:, c0:c1].t()
+        errors_sorted, perm = torch.sort(diff.abs(), dim=1, descending=True)  # the chunk's classes in one sort
+        fg_sorted = fg.gather(1, perm)
+        del fg
+        cum_fg = _row_cumsum(fg_sorted.to(torch.int32))
+        gts = counts[c0:c1, None].to(torch.int32)
+        inter = (gts - cum_fg).to(dtype)  # I_i = |gt minus predicted-so-far foreground|
+        union = (gts + rank - cum_fg).to(dtype)  # U_i = |gt union points so far|
+        del cum_fg
+        g = torch.where(fg_sorted, 1.0 / union, inter / (union * (union - 1.0)).clamp_min(1.0))
+        g[:, 0] = 1.0 - inter[:, 0] / union[:, 0]  # J_0 itself
+        del fg_sorted, inter, union
+        w = weight[c0:c1, None]
+        g.mul_(w)
+        loss = loss + (errors_sorted * g).sum()
+        del errors_sorted
+        # d loss / d errors (unsorted) = scatter of the weighted Lovasz gradient; d errors / d probs = -sign(diff)
+        grad[c0:c1].scatter_(1, perm, g).mul_(diff.sign_().neg_())
+    return loss, grad.t()
+
+
+class _LovaszSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, probs: Tensor, labels: Tensor, present_only: bool) -> Tensor:
+        loss, grad = _lovasz_terms(probs.detach(), labels, present_only)
+        ctx.save_for_backward(grad)  # one (P, C) tensor instead of sort indices + errors + gradients
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        (grad,) = ctx.saved_tensors
+        return grad_out * grad, None, None
+
+
+@torch.compiler.disable  # sort/scan code: nothing for a compiler to fuse (and Inductor's scan codegen fails on it)
+def lovasz_softmax(probs: Tensor, labels: Tensor, present_only: bool = True) -> Tensor:
+    """Multi-class Lovasz-softmax loss (Berman et al. 2018, classes='present'), vectorised over classes.
+
+    probs: (P, C) class probabilities; labels: (P,) long. The mean over classes present in `labels`
+    (or over all classes). Same value and gradient as the reference's per-class loop; the classes are
+    sorted together (one torch.sort per chunk of classes) and backward keeps a single (P, C) tensor.
+    """
+    return _LovaszSoftmax.apply(probs, labels.long(), present_only)
+
+
+# ------------------------------------------------------------------------------------------ model
+
+
+class Tokenizer(nn.Module):
+    """VQ-VAE over occupancy frames.
+
+    Tokenizer(cfg, num_classes, grid) with grid = (X, Y, Z), X and Y divisible by 4.
+
+    - encode(occ (..., X, Y, Z) uint8/long) -> codes (..., X/4, Y/4) long
+    - decode(codes (..., X/4, Y/4)) -> logits (..., C, X, Y, Z) float
+    - forward(occ) -> dict (see `forward`)
+    - loss(logits, occ, vq) -> dict(loss, ce, lovasz, vq)
+    - reset_dead_codes(candidates=None) -> int, to call after optimizer.step()
+    - codebook -> (K, code_dim) weight, e.g. for WorldModel.init_code_embedding
+    """
+
+    downsample = 4  # token map = (X / 4, Y / 4)
+
+    def __init__(self, cfg: TokenizerConfig, num_classes: int, grid: tuple[int, int, int]):
+        super().__init__()
+        cfg.validate()
+        grid = tuple(int(g) for g in grid)
+        if len(grid) != 3 or min(grid) < 1:
+            raise DataError(f"tokenizer: grid must be (X, Y, Z) of positive sizes, got {grid}")
+        if grid[0] % 4 or grid[1] % 4:
+            raise DataError(f"tokenizer: grid {grid}: X and Y must be divisible by 4 (two stride-2 downsamples)")
+        if num_classes < 2:
+            raise DataError(f"tokenizer: num_classes must be >= 2, got {num_classes}")
+        self.cfg, self.num_classes, self.grid = cfg, num_classes, grid
+        e, (w0, w1, w2) = cfg.embed_dim, cfg.widths
+        cin = grid[2] * e
+        nb = cfg.blocks_per_level
+
+        self.class_embed = nn.Embedding(num_classes, e)
+
+        # encoder
+        self.enc_in = nn.Conv2d(cin, w0, 3, 1, 1)
+        enc: list[nn.Module] = []
+        c = w0
+        for level, w in enumerate(cfg.widths):
+            for _ in range(nb):
+                enc.append(ResBlock(c, w))
+                c = w
+                if level == 2 and cfg.lowest_attention:
+                    enc.append(AttnBlock(c, cfg.attn_heads))
+            if level < 2:
+                enc.append(Downsample(c))
+        enc += [ResBlock(c, c), AttnBlock(c, cfg.attn_heads), ResBlock(c, c)]
+        self.encoder = nn.ModuleList(enc)
+        self.enc_norm = norm(w2)
+        self.enc_out = nn.Conv2d(w2, cfg.code_dim, 3, 1, 1)
+
+        self.quantizer = VectorQuantizer(cfg.codebook_size, cfg.code_dim, cfg.commitment, cfg.dead_code_steps)
+
+        # decoder (mirror)
+        self.dec_in = nn.Conv2d(cfg.code_dim, w2, 3, 1, 1)
+        dec: list[nn.Module] = [ResBlock(w2, w2), AttnBlock(w2, cfg.attn_heads), ResBlock(w2, w2)]
+        c = w2
+        for level in (2, 1, 0):
+            w = cfg.widths[level]
+            for _ in range(nb):
+                dec.append(ResBlock(c, w))
+                c = w
+                if level == 2 and cfg.lowest_attention:
+                    dec.append(AttnBlock(c, cfg.attn_heads))
+            if level > 0:
+                dec.append(Upsample(c))
+        self.decoder = nn.ModuleList(dec)
+        self.dec_norm = norm(w0)
+        self.dec_out = nn.Conv2d(w0, cin, 3, 1, 1)
+
+    # -- helpers
+    @property
+    def codebook(self) -> Tensor:
+        return self.quantizer.codebook.weight
+
+    @property
+    def token_shape(self) -> tuple[int, int]:
+        return self.grid[0] // 4, self.grid[1] // 4
+
+    def _ckpt_active(self) -> bool:
+        return self.cfg.checkpoint_every > 0 and self.training and torch.is_grad_enabled()
+
+    def _check_occ(self, occ: Tensor) -> None:
+        if occ.dim() < 4 or tuple(occ.shape[-3:]) != self.grid:
+            want = ", ".join(map(str, self.grid))
+            raise ValueError(f"tokenizer: occupancy must be (..., {want}), got {tuple(occ.shape)}")
+
+    def _encode_z(self, occ: Tensor) -> Tensor:
+        """occ (N, X, Y, Z) -> continuous z (N, code_dim, X/4, Y/4)."""
+        n, x, y, zz = occ.shape
+        h = self.class_embed(occ.long().permute(0, 3, 1, 2))  # (N, Z, X, Y, E)
+        h = h.permute(0, 1, 4, 2, 3).reshape(n, zz * self.cfg.embed_dim, x, y)  # channel = z*E + e
+        h = self.enc_in(h)
+        h, _ = _run_blocks(self.encoder, h, self.cfg.checkpoint_every, self._ckpt_active())
+        return self.enc_out(F.silu(self.enc_norm(h)))
+
+    def _decode_zq(self, zq: Tensor) -> Tensor:
+        """zq (N, code_dim, h, w) -> logits (N, C, X, Y, Z)."""
+        h = self.dec_in(zq)
+        start = self._n_enc_blocks()
+        h, _ = _run_blocks(self.decoder, h, self.cfg.checkpoint_every, self._ckpt_active(), start)
+        h = self.dec_out(F.silu(self.dec_norm(h)))  # (N, Z*E, X, Y)
+        n, _, x, y = h.shape
+        h = h.reshape(n, self.grid[2], self.cfg.embed_dim, x, y)
+        return torch.einsum("nzexy,ce->ncxyz", h, self.class_embed.weight)  # transposed class embedding
+
+    def _n_enc_blocks(self) -> int:
+        return sum(isinstance(b, (ResBlock, AttnBlock)) for b in self.encoder)
+
+    # -- public API
+    def encode(self, occ: Tensor) -> Tensor:
+        """occ (..., X, Y, Z) uint8/long class ids -> codes (..., X/4, Y/4) long."""
+        self._check_occ(occ)
+        lead = occ.shape[:-3]
+        z = self._encode_z(occ.reshape(-1, *self.grid))
+        n, d, h, w = z.shape
+        idx = self.quantizer.nearest(z.permute(0, 2, 3, 1).reshape(-1, d))
+        return idx.reshape(*lead, h, w)
+
+    def decode(self, codes: Tensor) -> Tensor:
+        """codes (..., X/4, Y/4) integer -> logits (..., C, X, Y, Z)."""
+        lead = codes.shape[:-2]
+        c = codes.long().reshape(-1, *codes.shape[-2:])
+        logits = self._decode_zq(self.quantizer.lookup(c))
+        return logits.reshape(*lead, *logits.shape[1:])
+
+    def forward(self, occ: Tensor) -> dict[str, Tensor]:
+        """Reconstruct `occ` (..., X, Y, Z) and score it. Returns:
+
+        - logits      (..., C, X, Y, Z) float
+        - codes       (..., X/4, Y/4) long
+        - loss        scalar, ce_weight*ce + lovasz_weight*lovasz + vq_weight*vq (what to backward)
+        - ce, lovasz, vq   the unweighted loss terms (scalars, with grad)
+        - perplexity  exp(entropy) of the batch's code histogram (detached; K when all codes equally used)
+        - code_usage  fraction of the K codes used in this batch (detached)
+        - dead_codes  number of codes unused for >= dead_code_steps training forwards (detached, float)
+        """
+        self._check_occ(occ)
+        lead = occ.shape[:-3]
+        flat = occ.reshape(-1, *self.grid)
+        z = self._encode_z(flat)
+        zq, codes, vq, stats = self.quantizer(z)
+        logits = self._decode_zq(zq)
+        out = self.loss(logits, flat, vq)
+        out.update(stats)
+        steps = self.quantizer.dead_code_steps
+        out["dead_codes"] = (self.quantizer.code_age >= steps).sum().float() if steps > 0 else vq.new_zeros(())
+        out["logits"] = logits.reshape(*lead, *logits.shape[1:])
+        out["codes"] = codes.reshape(*lead, *codes.shape[1:])
+        return out
+
+    def loss(self, logits: Tensor, occ: Tensor, vq: Tensor) -> dict[str, Tensor]:
+        """logits (N, C, X, Y, Z), occ (N, X, Y, Z) integer, vq scalar -> dict(loss, ce, lovasz, vq)."""
+        cfg = self.cfg
+        logits = logits.reshape(-1, *logits.shape[-4:])
+        target = occ.long().reshape(-1, *occ.shape[-3:])
+        ce = F.cross_entropy(logits, target)
+        if cfg.lovasz_weight > 0:
+            probs = logits.float().softmax(1).movedim(1, -1).reshape(-1, self.num_classes)
+            lov = lovasz_softmax(probs, target.reshape(-1))
+        else:
+            lov = ce.new_zeros(())
+        total = cfg.ce_weight * ce + cfg.lovasz_weight * lov + cfg.vq_weight * vq
+        return {"loss": total, "ce": ce, "lovasz": lov, "vq": vq}
+
+    def reset_dead_codes(self, candidates: Tensor | None = None) -> int:
+        """See VectorQuantizer.reset_dead_codes; call after optimizer.step()."""
+        return self.quantizer.reset_dead_codes(candidates)

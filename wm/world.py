@@ -1,0 +1,419 @@
+"""Forecasting model over token maps + ego motion (OccWorld's, see wzzheng/OccWorld model/transformer/*).
+
+Inputs: codes (B, T, h, w) integer token maps of consecutive frames, motion (B, T, 3) float = (x, y, yaw)
+of each frame relative to the last past frame (metres, radians). Position t sees frames 0..t only and
+predicts frame t+1: code logits (B, T, K, h, w) and ego motion (B, T, 3).
+
+Architecture (L = len(widths) levels, OccWorld: 128/256/512 over the 50x50 token map):
+
+    scene stream  x (B, T, C, h, w): code embedding (K x widths[0]) + learned frame embedding
+    pose stream   p (B, T, C): MLP of motion features (pose and per-frame displacement) + frame embedding
+    encoder level i < L-1 (width c_in):   x += Linear(p)  (ego-motion token conditions every cell)
+                                          temporal_layers x [causal self-attention over T per spatial cell + FFN]
+                                          pose_layers x [causal self-attention of p over T, cross-attention of
+                                                         p_t to the h*w cells of frame t, FFN]
+                                          blocks_per_level ResBlocks -> widths[i]; p: MLP -> widths[i]
+                                          stride-2 conv (skip kept)
+    bottom:                               blocks_per_level ResBlocks -> widths[-1]; p: MLP
+    decoder level i (mirror):             transposed conv -> widths[i], concat skip (2*widths[i]), same
+                                          temporal / pose layers at 2*widths[i], ResBlocks -> widths[i]
+    heads:                                GN-SiLU-conv3x3 -> K code logits; LayerNorm-Linear -> displacement
+                                          (dx, dy, dyaw) in frame t's own axes, added to the last observed
+                                          displacement (constant-velocity prior) and composed with pose t.
+
+Everything per frame (convs, GroupNorm over one frame) or causal over T, so no output at t depends on
+any input after t. Model code knows nothing of devices, DDP or AMP.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from wm.errors import ConfigError
+from wm.tokenizer import ResBlock, count_parameters, norm
+
+__all__ = ["WorldConfig", "WorldModel", "count_parameters", "motion_features", "compose_motion"]
+
+
+# ------------------------------------------------------------------------------------------ config
+
+
+@dataclass
+class WorldConfig:
+    """World-model hyper-parameters. Defaults give the small CPU demo model; `occworld()` gives OccWorld's."""
+
+    widths: tuple[int, ...] = (32, 64, 128)  # U-Net widths, one per resolution level (>= 2 levels)
+    blocks_per_level: int = 1  # spatial ResBlocks per level
+    temporal_layers: int = 1  # causal temporal attention + FFN layers per encoder/decoder level
+    pose_layers: int = 1  # ego-motion token layers per encoder/decoder level
+    heads: int = 4  # attention heads (must divide every width)
+    ffn_mult: int = 4  # FFN hidden = ffn_mult * width
+    max_frames: int = 16  # longest input sequence (learned frame embeddings); rollout keeps the last ones
+    motion_scale: float = 10.0  # metres per unit of the motion input features and displacement head
+    ce_weight: float = 1.0
+    motion_weight: float = 0.1
+    checkpoint_every: int = 0  # activation checkpointing: 0 off, 1 every block, k every k-th block
+
+    @classmethod
+    def occworld(cls) -> "WorldConfig":
+        """OccWorld's sizes (config/occworld.py: channels 128/256/512, 2 blocks, 6 temporal and 2 pose
+        attention layers per level, 8 heads, 15 input frames)."""
+        return cls(
+            widths=(128, 256, 512),
+            blocks_per_level=2,
+            temporal_layers=6,
+            pose_layers=2,
+            heads=8,
+            ffn_mult=4,
+            max_frames=16,
+            motion_scale=10.0,
+            ce_weight=1.0,
+            motion_weight=0.1,
+            checkpoint_every=0,
+        )
+
+    def validate(self) -> None:
+        if len(self.widths) < 2:
+            raise ConfigError("widths", f"needs at least 2 levels, got {self.widths}")
+        for w in self.widths:
+            if w < 4 or w % 4:
+                raise ConfigError("widths", f"every width must be a multiple of 4 (GroupNorm), got {self.widths}")
+        if self.heads < 1:
+            raise ConfigError("heads", f"must be >= 1, got {self.heads}")
+        for w in self.widths:
+            if w % self.heads:
+                raise ConfigError("heads", f"must divide every width, {self.heads} does not divide {w}")
+        for name in ("blocks_per_level", "ffn_mult", "max_frames"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("temporal_layers", "pose_layers", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
+        if not (self.motion_scale > 0 and math.isfinite(self.motion_scale)):
+            raise ConfigError("motion_scale", f"must be a finite number > 0, got {self.motion_scale}")
+        for name in ("ce_weight", "motion_weight"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ConfigError(name, f"must be a finite number >= 0, got {v}")
+
+
+# ------------------------------------------------------------------------------------------ motion
+
+
+def _wrap(a: Tensor) -> Tensor:
+    return torch.atan2(torch.sin(a), torch.cos(a))
+
+
+def displacement(motion: Tensor) -> Tensor:
+    """motion (..., T, 3) poses -> (..., T, 3) displacement of frame t from frame t-1 in frame t-1's axes
+    (dx, dy, dyaw); zero for t = 0."""
+    prev = torch.cat([motion[..., :1, :], motion[..., :-1, :]], dim=-2)
+    dx, dy = motion[..., 0] - prev[..., 0], motion[..., 1] - prev[..., 1]
+    c, s = torch.cos(prev[..., 2]), torch.sin(prev[..., 2])
+    return torch.stack([c * dx + s * dy, -s * dx + c * dy, _wrap(motion[..., 2] - prev[..., 2])], dim=-1)
+
+
+def compose_motion(pose: Tensor, delta: Tensor) -> Tensor:
+    """pose (..., 3) composed with a displacement (..., 3) given in pose's own axes -> (..., 3)."""
+    c, s = torch.cos(pose[..., 2]), torch.sin(pose[..., 2])
+    x = pose[..., 0] + c * delta[..., 0] - s * delta[..., 1]
+    y = pose[..., 1] + s * delta[..., 0] + c * delta[..., 1]
+    return torch.stack([x, y, pose[..., 2] + delta[..., 2]], dim=-1)
+
+
+def motion_features(motion: Tensor, scale: float) -> Tensor:
+    """(B, T, 3) poses -> (B, T, 8): x, y, sin yaw, cos yaw, dx, dy, sin dyaw, cos dyaw (lengths / scale)."""
+    d = displacement(motion)
+    return torch.stack(
+        [
+            motion[..., 0] / scale,
+            motion[..., 1] / scale,
+            torch.sin(motion[..., 2]),
+            torch.cos(motion[..., 2]),
+            d[..., 0] / scale,
+            d[..., 1] / scale,
+            torch.sin(d[..., 2]),
+            torch.cos(d[..., 2]),
+        ],
+        dim=-1,
+    )
+
+
+NUM_MOTION_FEATURES = 8
+
+
+# ------------------------------------------------------------------------------------------ blocks
+
+
+def _ffn(c: int, mult: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(c, mult * c), nn.GELU(), nn.Linear(mult * c, c))
+
+
+class TemporalLayer(nn.Module):
+    """Pre-norm causal self-attention over time per spatial cell + FFN. x: (N, T, C), N = B*h*w."""
+
+    def __init__(self, c: int, heads: int, ffn_mult: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.qkv, self.proj = nn.LayerNorm(c), nn.Linear(c, 3 * c), nn.Linear(c, c)
+        self.norm2, self.ffn = nn.LayerNorm(c), _ffn(c, ffn_mult)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, t, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).reshape(n, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(o.transpose(1, 2).reshape(n, t, c))
+        return x + self.ffn(self.norm2(x))
+
+
+class PoseLayer(nn.Module):
+    """Ego-motion token layer (OccWorld's pose attention): causal self-attention of the pose tokens over
+    time, cross-attention of each frame's pose token to that frame's h*w scene cells, FFN.
+    p: (B, T, C); x: (B*T, C, h, w) scene features of the same width."""
+
+    def __init__(self, c: int, heads: int, ffn_mult: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.qkv, self.proj1 = nn.LayerNorm(c), nn.Linear(c, 3 * c), nn.Linear(c, c)
+        self.norm_q, self.norm_kv = nn.LayerNorm(c), nn.LayerNorm(c)
+        self.q, self.kv, self.proj2 = nn.Linear(c, c), nn.Linear(c, 2 * c), nn.Linear(c, c)
+        self.norm3, self.ffn = nn.LayerNorm(c), _ffn(c, ffn_mult)
+
+    def forward(self, p: Tensor, x: Tensor) -> Tensor:
+        b, t, c = p.shape
+        hd, d = self.heads, c // self.heads
+        q, k, v = self.qkv(self.norm1(p)).reshape(b, t, 3, hd, d).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        p = p + self.proj1(o.transpose(1, 2).reshape(b, t, c))
+        cells = self.norm_kv(x.flatten(2).transpose(1, 2))  # (B*T, hw, C)
+        k, v = self.kv(cells).reshape(b * t, -1, 2, hd, d).permute(2, 0, 3, 1, 4)
+        q = self.q(self.norm_q(p)).reshape(b * t, 1, hd, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v)  # (B*T, heads, 1, d)
+        p = p + self.proj2(o.reshape(b, t, c))
+        return p + self.ffn(self.norm3(p))
+
+
+def _pose_mlp(cin: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(cin, cout), nn.GELU(), nn.Linear(cout, cout))
+
+
+class _Level(nn.Module):
+    """One U-Net level's time/ego part: scene conditioning, temporal layers, pose layers at width c."""
+
+    def __init__(self, c: int, cfg: WorldConfig):
+        super().__init__()
+        self.cond = nn.Sequential(nn.LayerNorm(c), nn.Linear(c, c))
+        self.temporal = nn.ModuleList(TemporalLayer(c, cfg.heads, cfg.ffn_mult) for _ in range(cfg.temporal_layers))
+        self.pose = nn.ModuleList(PoseLayer(c, cfg.heads, cfg.ffn_mult) for _ in range(cfg.pose_layers))
+
+
+# ------------------------------------------------------------------------------------------ model
+
+
+class WorldModel(nn.Module):
+    """OccWorld-style forecaster over token maps.
+
+    WorldModel(cfg, num_codes) — num_codes = the tokenizer's codebook size K. Any token map size works
+    (odd sizes are padded before each stride-2 conv and cropped after each transposed conv).
+
+    - forward(codes (B,T,h,w), motion (B,T,3)) -> dict(logits (B,T,K,h,w), motion (B,T,3)); teacher forced,
+      position t predicts frame t+1
+    - loss(out, target_codes (B,T,h,w), target_motion (B,T,3)) -> dict(loss, ce, motion_l2, acc)
+    - window_loss(codes (B,T+1,h,w), motion (B,T+1,3)) -> forward on frames 0..T-1, loss against 1..T,
+      plus copy_last_acc (accuracy of copying the previous frame's codes) for reference
+    - rollout(past_codes (B,P,h,w), past_motion (B,P,3), steps, future_motion=None (B,steps,3))
+      -> (codes (B,steps,h,w) long, motion (B,steps,3)): autoregressive argmax; motion predicted, or the
+      given future_motion is used (and returned) instead
+    - init_code_embedding(codebook (K, widths[0]), freeze=False)
+    """
+
+    def __init__(self, cfg: WorldConfig, num_codes: int):
+        super().__init__()
+        cfg.validate()
+        if num_codes < 2:
+            raise ValueError(f"world model: num_codes must be >= 2, got {num_codes}")
+        self.cfg, self.num_codes = cfg, num_codes
+        widths, nb = cfg.widths, cfg.blocks_per_level
+        c0 = widths[0]
+        self.code_embed = nn.Embedding(num_codes, c0)
+        self.frame_embed = nn.Parameter(torch.zeros(cfg.max_frames, c0))
+        self.pose_frame_embed = nn.Parameter(torch.zeros(cfg.max_frames, c0))
+        self.pose_in = _pose_mlp(NUM_MOTION_FEATURES, c0)
+        nn.init.normal_(self.code_embed.weight, std=1.0)
+        nn.init.normal_(self.frame_embed, std=0.02)
+        nn.init.normal_(self.pose_frame_embed, std=0.02)
+
+        self.enc_levels, self.enc_blocks, self.enc_pose, self.downs = (nn.ModuleList() for _ in range(4))
+        c = c0
+        for w in widths[:-1]:
+            self.enc_levels.append(_Level(c, cfg))
+            self.enc_blocks.append(nn.ModuleList(ResBlock(c if j == 0 else w, w) for j in range(nb)))
+            self.enc_pose.append(_pose_mlp(c, w))
+            self.downs.append(nn.Conv2d(w, w, 2, 2))
+            c = w
+        self.mid_blocks = nn.ModuleList(ResBlock(c if j == 0 else widths[-1], widths[-1]) for j in range(nb))
+        self.mid_pose = _pose_mlp(c, widths[-1])
+        c = widths[-1]
+        self.ups, self.pose_ups, self.dec_levels, self.dec_blocks, self.dec_pose = (nn.ModuleList() for _ in range(5))
+        for w in reversed(widths[:-1]):
+            self.ups.append(nn.ConvTranspose2d(c, w, 2, 2))
+            self.pose_ups.append(nn.Linear(c, w))
+            self.dec_levels.append(_Level(2 * w, cfg))
+            self.dec_blocks.append(nn.ModuleList(ResBlock(2 * w if j == 0 else w, w) for j in range(nb)))
+            self.dec_pose.append(_pose_mlp(2 * w, w))
+            c = w
+        self.out_norm = norm(c0)
+        self.out_conv = nn.Conv2d(c0, num_codes, 3, 1, 1)
+        self.motion_head = nn.Sequential(nn.LayerNorm(c0), nn.Linear(c0, 3))
+        nn.init.zeros_(self.motion_head[1].weight)  # start as the constant-velocity prediction
+        nn.init.zeros_(self.motion_head[1].bias)
+        # number the checkpointable blocks in the order forward runs them (static: no counter in forward)
+        order: list[nn.Module] = []
+        for lvl, blocks in zip(self.enc_levels, self.enc_blocks):
+            order += [*lvl.temporal, *lvl.pose, *blocks]
+        order += [*self.mid_blocks]
+        for lvl, blocks in zip(self.dec_levels, self.dec_blocks):
+            order += [*lvl.temporal, *lvl.pose, *blocks]
+        for i, blk in enumerate(order):
+            blk.block_index = i
+
+    # -- embedding from the tokenizer
+    @torch.no_grad()
+    def init_code_embedding(self, codebook: Tensor, freeze: bool = False) -> None:
+        """Copy a tokenizer codebook (K, widths[0]) into the code embedding (OccWorld feeds the frozen
+        codebook vectors). With freeze=True the embedding stops requiring grad (build the optimizer from
+        parameters with requires_grad)."""
+        w = self.code_embed.weight
+        if tuple(codebook.shape) != tuple(w.shape):
+            raise ValueError(
+                f"world model: codebook of shape {tuple(codebook.shape)} does not fit the code embedding "
+                f"{tuple(w.shape)} (num_codes x widths[0]); set world widths[0] = tokenizer code_dim"
+            )
+        w.copy_(codebook.detach().to(w.device, w.dtype))
+        w.requires_grad_(not freeze)
+
+    # -- trunk
+    def _ckpt_active(self) -> bool:
+        return self.cfg.checkpoint_every > 0 and self.training and torch.is_grad_enabled()
+
+    def _call(self, blk: nn.Module, *args: Tensor) -> Tensor:
+        """Run one block, activation-checkpointed if it is every k-th block (by its block_index)."""
+        if self._ckpt_active() and blk.block_index % self.cfg.checkpoint_every == 0:
+            return checkpoint(blk, *args, use_reentrant=False)
+        return blk(*args)
+
+    def _level(self, lvl: _Level, x: Tensor, p: Tensor, b: int, t: int) -> tuple[Tensor, Tensor]:
+        """x (B*T, C, h, w), p (B, T, C) -> same shapes after conditioning, temporal and pose layers."""
+        _, c, h, w = x.shape
+        x = x + lvl.cond(p).reshape(b * t, c, 1, 1)
+        if len(lvl.temporal):
+            y = x.reshape(b, t, c, h, w).permute(0, 3, 4, 1, 2).reshape(b * h * w, t, c)
+            for layer in lvl.temporal:
+                y = self._call(layer, y)
+            x = y.reshape(b, h, w, t, c).permute(0, 3, 4, 1, 2).reshape(b * t, c, h, w)
+        for layer in lvl.pose:
+            p = self._call(layer, p, x)
+        return x, p
+
+    def _trunk(self, codes: Tensor, motion: Tensor) -> tuple[Tensor, Tensor]:
+        """codes (B,T,h,w), motion (B,T,3) -> scene features (B*T, widths[0], h, w), pose tokens (B,T,widths[0])."""
+        b, t, h, w = codes.shape
+        if t > self.cfg.max_frames:
+            raise ValueError(f"world model: {t} input frames exceed max_frames={self.cfg.max_frames}")
+        if tuple(motion.shape) != (b, t, 3):
+            raise ValueError(f"world model: motion must be {(b, t, 3)}, got {tuple(motion.shape)}")
+        x = self.code_embed(codes.long()) + self.frame_embed[:t, None, None, :]  # (B, T, h, w, C)
+        x = x.permute(0, 1, 4, 2, 3).reshape(b * t, -1, h, w)
+        feats = motion_features(motion.to(x.dtype), self.cfg.motion_scale)
+        p = self.pose_in(feats) + self.pose_frame_embed[:t]
+        skips = []
+        for lvl, blocks, pmlp, down in zip(self.enc_levels, self.enc_blocks, self.enc_pose, self.downs):
+            x, p = self._level(lvl, x, p, b, t)
+            for blk in blocks:
+                x = self._call(blk, x)
+            p = pmlp(p)
+            skips.append((x, p))
+            x = down(F.pad(x, (0, x.shape[-1] % 2, 0, x.shape[-2] % 2)))
+        for blk in self.mid_blocks:
+            x = self._call(blk, x)
+        p = self.mid_pose(p)
+        for up, pup, lvl, blocks, pmlp, (sx, sp) in zip(
+            self.ups, self.pose_ups, self.dec_levels, self.dec_blocks, self.dec_pose, reversed(skips)
+        ):
+            x = up(x)[..., : sx.shape[-2], : sx.shape[-1]]
+            x = torch.cat([x, sx], 1)
+            p = torch.cat([pup(p), sp], -1)
+            x, p = self._level(lvl, x, p, b, t)
+            for blk in blocks:
+                x = self._call(blk, x)
+            p = pmlp(p)
+        return x, p
+
+    def _next_motion(self, p: Tensor, motion: Tensor, last_disp: Tensor) -> Tensor:
+        s = self.cfg.motion_scale
+        raw = self.motion_head(p)
+        delta = last_disp + raw * raw.new_tensor([s, s, 1.0])
+        return compose_motion(motion, delta)
+
+    # -- public API
+    def forward(self, codes: Tensor, motion: Tensor) -> dict[str, Tensor]:
+        """Teacher-forced pass. codes (B,T,h,w) integer, motion (B,T,3) float. Returns
+        logits (B,T,K,h,w) for frames 1..T and motion (B,T,3) predicted for frames 1..T."""
+        x, p = self._trunk(codes, motion)
+        b, t = codes.shape[:2]
+        logits = self.out_conv(F.silu(self.out_norm(x))).reshape(b, t, self.num_codes, *codes.shape[-2:])
+        m = motion.to(p.dtype)
+        return {"logits": logits, "motion": self._next_motion(p, m, displacement(m))}
+
+    def loss(self, out: dict[str, Tensor], target_codes: Tensor, target_motion: Tensor) -> dict[str, Tensor]:
+        """out from forward; targets aligned with it (frame t+1 at position t). Returns loss (weighted sum,
+        what to backward), ce, motion_l2 (mean squared error over x, y and wrapped yaw) and acc (detached)."""
+        cfg = self.cfg
+        logits = out["logits"]
+        target = target_codes.long()
+        ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(0, 1))
+        err = out["motion"] - target_motion.to(out["motion"].dtype)
+        err = torch.cat([err[..., :2], _wrap(err[..., 2:])], -1)
+        l2 = err.pow(2).mean()
+        acc = (logits.detach().argmax(2) == target).float().mean()
+        return {"loss": cfg.ce_weight * ce + cfg.motion_weight * l2, "ce": ce, "motion_l2": l2, "acc": acc}
+
+    def window_loss(self, codes: Tensor, motion: Tensor) -> dict[str, Tensor]:
+        """codes (B, T+1, h, w), motion (B, T+1, 3) of one window: teacher-forced forward on frames 0..T-1,
+        loss against frames 1..T. Adds copy_last_acc (copying frame t's codes as the forecast of t+1)."""
+        out = self.forward(codes[:, :-1], motion[:, :-1])
+        res = self.loss(out, codes[:, 1:], motion[:, 1:])
+        res["copy_last_acc"] = (codes[:, 1:].long() == codes[:, :-1].long()).float().mean()
+        res["logits"], res["motion"] = out["logits"], out["motion"]
+        return res
+
+    def rollout(
+        self, past_codes: Tensor, past_motion: Tensor, steps: int, future_motion: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Autoregressive forecast of `steps` frames (argmax codes). Each step runs the model on the last
+        max_frames frames and appends its prediction for the next one; ego motion is predicted, or taken
+        from future_motion (B, steps, 3) when given. Fixed Python loop over `steps`, no data-dependent
+        control flow. Returns codes (B, steps, h, w) long and motion (B, steps, 3)."""
+        codes = past_codes.long()
+        motion = past_motion.float()
+        p_len = codes.shape[1]
+        for s in range(steps):
+            c_in, m_in = codes[:, -self.cfg.max_frames :], motion[:, -self.cfg.max_frames :]
+            x, p = self._trunk(c_in, m_in)
+            b, t = c_in.shape[:2]
+            x_last = x.reshape(b, t, *x.shape[1:])[:, -1]
+            nxt = self.out_conv(F.silu(self.out_norm(x_last))).argmax(1)  # (B, h, w)
+            if future_motion is None:
+                m = m_in.to(p.dtype)
+                m_next = self._next_motion(p[:, -1], m[:, -1], displacement(m[:, -2:])[:, -1])
+            else:
+                m_next = future_motion[:, s].to(motion.dtype)
+            codes = torch.cat([codes, nxt[:, None]], 1)
+            motion = torch.cat([motion, m_next[:, None].to(motion.dtype)], 1)
+        return codes[:, p_len:], motion[:, p_len:]
