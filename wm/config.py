@@ -223,12 +223,20 @@ class StageConfig:
             raise ConfigError("best_metric", f"{self.best_metric!r} must be a validation metric (val/...)")
 
 
+# The defaults are the demo (`python train.py` on 2 CPU cores in a few minutes); configs/occworld.json
+# holds OccWorld's sizes and recipe.
 def _tokenizer_stage() -> StageConfig:
-    return StageConfig(epochs=8, lr=1e-3, warmup_steps=30, batch_size=8, best_metric="val/miou")
+    return StageConfig(epochs=3, lr=2e-3, warmup_steps=30, batch_size=8, best_metric="val/miou")
 
 
 def _world_stage() -> StageConfig:
-    return StageConfig(epochs=12, lr=1e-3, warmup_steps=30, batch_size=8, best_metric="val/miou")
+    return StageConfig(epochs=5, lr=1e-3, warmup_steps=30, batch_size=8, best_metric="val/miou")
+
+
+def _demo_tokenizer() -> TokenizerConfig:
+    # Lovasz-softmax off in the demo: on a CPU it is 60 % of a tokenizer step, and cross-entropy
+    # alone reaches ~95 % reconstruction IoU on the synthetic scenes in three epochs.
+    return TokenizerConfig(lovasz_weight=0.0)
 
 
 @dataclass
@@ -236,7 +244,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    tokenizer: TokenizerConfig = field(default_factory=_demo_tokenizer)
     world: WorldConfig = field(default_factory=WorldConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     tokenizer_stage: StageConfig = field(default_factory=_tokenizer_stage)

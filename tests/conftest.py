@@ -1,0 +1,183 @@
+"""Shared test helpers."""
+
+# ---------------------------------------------------------------------------------------------
+# training tests (tests/test_train.py, tests/test_distributed.py): the `slow` marker and a tiny
+# data set + config + process helpers
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: multi-process training tests (they still run in CI)")
+
+
+TINY_SETTINGS = {
+    "data.grid": "16,16,4",
+    "data.past": "2",
+    "data.future": "2",
+    "data.num_workers": "0",
+    "tokenizer.widths": "8,8,8",
+    "tokenizer.codebook_size": "16",
+    "tokenizer.code_dim": "8",
+    "tokenizer.dead_code_steps": "2",  # resets draw from the torch RNG: exact resume must cover it
+    "world.widths": "8,16",
+    "world.heads": "2",
+    "train.device": "cpu",
+    "train.tensorboard": "false",
+    "train.log_every": "1",
+    "train.stages": "tokenizer",
+    "tokenizer_stage.batch_size": "2",  # 24 frames: 12 steps per epoch
+    "tokenizer_stage.warmup_steps": "2",
+    "tokenizer_stage.max_steps": "4",
+    "world_stage.batch_size": "2",  # 18 windows: 9 steps per epoch
+    "world_stage.warmup_steps": "2",
+    "world_stage.max_steps": "4",
+}
+
+
+class Proc:
+    """A training subprocess whose merged stdout/stderr is read by a thread, line by line."""
+
+    def __init__(self, cmd, env=None, cwd=ROOT):
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        full_env.update(env or {})
+        self.cmd = cmd
+        self.p = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self._q: queue.Queue = queue.Queue()
+        self._t = threading.Thread(target=self._read, daemon=True)
+        self._t.start()
+
+    def _read(self):
+        for line in self.p.stdout:
+            self._q.put(line)
+        self._q.put(None)
+
+    @property
+    def pid(self) -> int:
+        return self.p.pid
+
+    def wait_for(self, pattern: str, timeout: float) -> bool:
+        """Read lines until one matches `pattern` (regex); False at end of output or timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._q.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if line is None:
+                self._q.put(None)
+                return False
+            self.lines.append(line)
+            if re.search(pattern, line):
+                return True
+        return False
+
+    def finish(self, timeout: float) -> int:
+        """Wait for the exit (killing the process group after `timeout`); returns the exit code."""
+        try:
+            rc = self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_group()
+            self.p.wait(10)
+            self._drain()
+            raise AssertionError(f"{self.cmd} did not end within {timeout}s:\n{self.output[-4000:]}")
+        self._t.join(10)
+        self._drain()
+        return rc
+
+    def _drain(self):
+        while True:
+            try:
+                line = self._q.get_nowait()
+            except queue.Empty:
+                return
+            if line is not None:
+                self.lines.append(line)
+
+    def kill_group(self):
+        try:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+class Tiny:
+    """A tiny synthetic data set (2 train scenes of 12 frames, 1 val scene, 16x16x4) and tiny
+    models; `args()` builds train.py arguments for a run folder under the test's tmp folder."""
+
+    def __init__(self, base: Path):
+        from wm.synthetic import write_synthetic
+
+        self.base = base
+        self.data = base / "data"
+        write_synthetic(self.data, train_scenes=2, val_scenes=1, frames=12, grid=(16, 16, 4))
+
+    def regenerate(self, seed: int) -> None:
+        import shutil
+
+        from wm.synthetic import write_synthetic
+
+        shutil.rmtree(self.data)
+        write_synthetic(self.data, train_scenes=2, val_scenes=1, frames=12, grid=(16, 16, 4), seed=seed)
+
+    def args(self, out: str = "runs", name: str = "r", flags=(), **over) -> list[str]:
+        s = dict(TINY_SETTINGS)
+        s["data.root"] = str(self.data)
+        s["run.out_dir"] = str(self.base / out)
+        s["run.name"] = name
+        for k, v in over.items():
+            s[k.replace("__", ".")] = str(v).lower() if isinstance(v, bool) else str(v)
+        out_args = []
+        for k, v in s.items():
+            out_args += ["--set", f"{k}={v}"]
+        return out_args + list(flags)
+
+    def run_dir(self, out: str = "runs", name: str = "r") -> Path:
+        return self.base / out / name
+
+    def cmd(self, *a, **kw) -> list[str]:
+        return [sys.executable, "train.py", *self.args(*a, **kw)]
+
+    def spawn(self, *a, **kw) -> Proc:
+        return Proc(self.cmd(*a, **kw))
+
+
+@pytest.fixture
+def tiny(tmp_path_factory) -> Tiny:
+    return Tiny(tmp_path_factory.mktemp("t"))
+
+
+@pytest.fixture
+def restore_signals():
+    """wm.train.main installs SIGTERM/SIGINT handlers and a global stop flag: put them back."""
+    import wm.train as T
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+    T._STOP.update(flag=False, count=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_factory(tmp_path_factory):
+    """For module-scoped fixtures: a fresh `Tiny` per call."""
+    return lambda: Tiny(tmp_path_factory.mktemp("t"))

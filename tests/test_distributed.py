@@ -1,0 +1,330 @@
+"""wm/distributed.py and DDP training on CPU (gloo): a world of one, the collectives across two
+processes, torchrun --nproc_per_node 2 against one process with the same global batch, SIGTERM
+to one rank, two torchrun agents rendezvousing through c10d, and a killed rank ending the job."""
+
+import json
+import os
+import shutil
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import wm.distributed as D
+from wm.checkpoint import latest_checkpoint, load
+from wm.config import Config, from_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(*args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args, "train.py"]
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def worker_of(agent_pid: int, rank: int, timeout: float = 60) -> int:
+    """The pid of the training process with RANK=`rank` under a torchrun agent."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for c in children(agent_pid):
+            try:
+                env = Path(f"/proc/{c}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in env:
+                return c
+        time.sleep(0.1)
+    raise AssertionError(f"no RANK={rank} worker under torchrun agent {agent_pid}")
+
+
+def final(run_dir: Path, stage: str) -> dict:
+    path = latest_checkpoint(run_dir / stage / "checkpoints")
+    assert path is not None, run_dir
+    return load(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# wm.distributed in a world of one, and its collectives across two gloo processes
+
+
+def test_world_of_one(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    d = D.init("cpu", 5)
+    assert (d.rank, d.world_size, d.is_main, d.active, d.device.type) == (0, 1, True, False, "cpu")
+    t = torch.tensor([1.0, 2.0])
+    assert D.all_reduce_(t, d, op="max") is t and t.tolist() == [1.0, 2.0]
+    assert D.mean_scalars({"a": 1.5}, d) == {"a": 1.5}
+    assert D.any_rank(True, d) and not D.any_rank(False, d)
+    assert D.gather_objects({"x": 1}, d) == [{"x": 1}]
+    assert D.broadcast_object("hi", d) == "hi"
+    D.barrier(d)
+    D.close(d)
+
+
+def test_cuda_requested_without_cuda_is_a_clear_error(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present")
+    from wm.errors import WMError
+
+    with pytest.raises(WMError, match="no CUDA device"):
+        D.init("cuda")
+
+
+COLLECTIVES = textwrap.dedent("""
+    import json, sys, torch
+    import wm.distributed as D
+    d = D.init("cpu", 30)
+    r = d.rank
+    t = torch.tensor([float(r + 1), 10.0 * r])
+    out = {"rank": r, "world": d.world_size, "backend": d.backend,
+           "sum": D.all_reduce_(t.clone(), d).tolist(),
+           "max": D.all_reduce_(t.clone(), d, op="max").tolist(),
+           "min": D.all_reduce_(t.clone(), d, op="min").tolist(),
+           "mean": D.mean_scalars({"a": float(r), "b": 2.0 * r + 1}, d),
+           "any": [D.any_rank(r == 1, d), D.any_rank(False, d)],
+           "gather": D.gather_objects({"r": r}, d),
+           "bcast": D.broadcast_object("from %d" % r, d)}
+    D.barrier(d)
+    D.close(d)
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_collectives_across_two_gloo_processes():
+    port = free_port()
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-c", COLLECTIVES], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=120)
+            assert p.returncode == 0, out
+            outs.append(json.loads(out.split("RESULT ", 1)[1]))
+    finally:
+        for p in procs:
+            p.kill()
+    for o in outs:
+        assert o["world"] == 2 and o["backend"] == "gloo"
+        assert o["sum"] == [3.0, 10.0] and o["max"] == [2.0, 10.0] and o["min"] == [1.0, 0.0]
+        assert o["mean"] == {"a": 0.5, "b": 2.0}
+        assert o["any"] == [True, False]
+        assert o["gather"] == [{"r": 0}, {"r": 1}]
+        assert o["bcast"] == "from 0"
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP training
+
+
+def key_bias_free(name: str, t: torch.Tensor) -> torch.Tensor:
+    """The tensor without the attention key biases: their gradient is zero in exact arithmetic
+    (softmax is shift invariant), so AdamW turns float noise in it into lr-sized steps whose sign
+    depends on the reduction order; everything else must agree."""
+    if name.endswith("qkv.bias"):
+        c = t.numel() // 3
+        return torch.cat([t[:c], t[2 * c:]])
+    if name.endswith(".kv.bias"):
+        return t[t.numel() // 2:]
+    return t
+
+
+def assert_params_close(a: dict, b: dict, init: dict, atol=2e-5, rtol=1e-4) -> None:
+    moved = 0.0
+    for k in a:
+        if not a[k].is_floating_point():
+            continue
+        x, y = key_bias_free(k, a[k]).double(), key_bias_free(k, b[k]).double()
+        assert torch.allclose(x, y, atol=atol, rtol=rtol), \
+            f"{k}: max |diff| {(x - y).abs().max().item():.3g}"
+        moved = max(moved, (y - key_bias_free(k, init[k]).double()).abs().max().item())
+    assert moved > 50 * atol, f"the parameters hardly moved ({moved:.3g}): the comparison means nothing"
+
+
+def initial_weights(st: dict, stage: str) -> dict:
+    cfg = from_dict(Config, st["config"])
+    torch.manual_seed(cfg.run.seed)  # what the loop does before building a model
+    if stage == "tokenizer":
+        from wm.tokenizer import Tokenizer
+
+        return Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid)).state_dict()
+    from wm.world import WorldModel
+
+    return WorldModel(cfg.world, cfg.tokenizer.codebook_size).state_dict()
+
+
+# the Lovasz loss is computed over a rank's batch and is not a sum over samples, so 2 ranks x b
+# and 1 rank x 2b genuinely differ with it; dead-code resets are decided from rank 0's batch only
+DDP_EXACT = dict(tokenizer__lovasz_weight=0, tokenizer__dead_code_steps=0, train__timeout_s=60)
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_match_one_process_with_the_same_global_batch(tiny):
+    from conftest import Proc
+
+    steps = dict(tokenizer_stage__max_steps=4, world_stage__max_steps=4, **DDP_EXACT)
+    one = tiny.spawn(out="one", train__stages="tokenizer,world", tokenizer_stage__batch_size=4,
+                     world_stage__batch_size=4, **steps)
+    assert one.finish(240) == 0, one.output
+
+    # tokenizer: 2 ranks x 2
+    two = Proc(torchrun("--nproc_per_node", "2", "--master_port", str(free_port()))
+               + tiny.args(out="two", **steps))
+    assert two.finish(240) == 0, two.output
+    assert "4 steps of 4 samples" in two.output
+    meta = json.loads((tiny.run_dir("two") / "config.json").read_text())["meta"]
+    assert meta["world_size"] == 2
+    a, b = final(tiny.run_dir("two"), "tokenizer"), final(tiny.run_dir("one"), "tokenizer")
+    assert a["step"] == b["step"] == 4
+    assert_params_close(a["model"], b["model"], initial_weights(b, "tokenizer"))
+    assert a["sampler"]["consumed"] == b["sampler"]["consumed"] == 16
+    assert len(a["rng"]) == 2 and not torch.equal(a["rng"][0]["torch"], a["rng"][1]["torch"])
+
+    # world model, on the very same frozen tokenizer: 2 ranks x 2
+    w = tiny.run_dir("two_world")
+    w.mkdir(parents=True)
+    shutil.copytree(tiny.run_dir("one") / "tokenizer", w / "tokenizer")
+    two = Proc(torchrun("--nproc_per_node", "2", "--master_port", str(free_port()))
+               + tiny.args(out="two_world", train__stages="tokenizer,world", **steps))
+    assert two.finish(240) == 0, two.output
+    a, b = final(w, "world"), final(tiny.run_dir("one"), "world")
+    assert a["tokenizer"]["sha256"] == b["tokenizer"]["sha256"]
+    assert_params_close(a["model"], b["model"], initial_weights(b, "world"))
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_both_and_the_ddp_resume_is_exact(tiny):
+    from conftest import Proc
+
+    over = dict(tokenizer_stage__max_steps=12, **DDP_EXACT)
+    ref = Proc(torchrun("--nproc_per_node", "2", "--master_port", str(free_port()))
+               + tiny.args(out="straight", **over))
+    assert ref.finish(240) == 0, ref.output
+
+    cmd = torchrun("--nproc_per_node", "2", "--master_port", str(free_port())) + tiny.args(out="cut", **over)
+    p = Proc(cmd)
+    assert p.wait_for(r"^tokenizer step 2/12 ", 120), p.output
+    os.kill(worker_of(p.pid, 1), signal.SIGTERM)  # only rank 1 is told; rank 0 must agree
+    assert p.finish(120) == 0, p.output
+    assert "preempted (SIGTERM/SIGINT); saved step" in p.output, p.output
+    stopped = final(tiny.run_dir("cut"), "tokenizer")["step"]
+    assert 2 < stopped < 12
+
+    p = Proc(torchrun("--nproc_per_node", "2", "--master_port", str(free_port())) + tiny.args(out="cut", **over))
+    assert p.finish(240) == 0, p.output
+    assert f"at step {stopped}/12" in p.output
+    a, b = final(tiny.run_dir("straight"), "tokenizer"), final(tiny.run_dir("cut"), "tokenizer")
+    for part in ("model", "optimizer"):
+        for k, v in (a[part] if part == "model" else a[part]["state"]).items():
+            w = b[part][k] if part == "model" else b[part]["state"][k]
+            if isinstance(v, dict):
+                assert all(torch.equal(v[j], w[j]) for j in v), (part, k)
+            else:
+                assert torch.equal(v, w), (part, k)
+
+
+def agents(tiny, port: int, out: str, **over):
+    from conftest import Proc
+
+    args = tiny.args(out=out, **over)
+    return [Proc([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                  "--node_rank", str(r), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+                  "--rdzv_id", f"wm-test-{port}", "--max_restarts", "0", "train.py", *args])
+            for r in range(2)]
+
+
+@pytest.mark.slow
+def test_two_torchrun_agents_rendezvous_through_c10d_and_train(tiny):
+    ps = agents(tiny, free_port(), "nodes", tokenizer_stage__max_steps=3, **DDP_EXACT)
+    try:
+        rcs = [p.finish(240) for p in ps]
+    finally:
+        for p in ps:
+            p.kill_group()
+    assert rcs == [0, 0], "\n".join(p.output for p in ps)
+    rd = tiny.run_dir("nodes")
+    assert json.loads((rd / "config.json").read_text())["meta"]["world_size"] == 2
+    assert json.loads((rd / "tokenizer" / "done.json").read_text())["step"] == 3
+    st = final(rd, "tokenizer")
+    assert st["step"] == 3 and len(st["rng"]) == 2
+    out = "".join(p.output for p in ps)
+    assert out.count("tokenizer step 3/3 ") == 1  # rank 0 alone speaks
+
+
+def stop_one_rank(tiny, sig, timeout_s, out):
+    """Start two agents, wait for training, send `sig` to the rank-1 worker; returns (exit code of
+    the other agent, seconds it took to end after the signal, its output)."""
+    ps = agents(tiny, free_port(), out, tokenizer_stage__max_steps=5000, train__timeout_s=timeout_s,
+                tokenizer__lovasz_weight=0)
+    try:
+        deadline = time.monotonic() + 180
+        while not any(p.wait_for(r"^tokenizer step 3/", 0.2) for p in ps):  # rank 0 is either one
+            assert time.monotonic() < deadline and all(p.p.poll() is None for p in ps), \
+                ps[0].output + ps[1].output
+        # ranks are assigned by the rendezvous: find the agent whose worker is rank 1
+        victim = survivor = None
+        for i, p in enumerate(ps):
+            for c in children(p.pid):
+                try:
+                    env = Path(f"/proc/{c}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if b"RANK=1" in env:
+                    victim, survivor = c, ps[1 - i]
+        assert victim is not None
+        t0 = time.monotonic()
+        os.kill(victim, sig)
+        rc = survivor.finish(timeout_s + 90)  # raises if it hangs
+        return rc, time.monotonic() - t0, survivor.output
+    finally:
+        for p in ps:
+            p.kill_group()
+
+
+@pytest.mark.slow
+def test_killing_one_rank_ends_the_other_with_an_error_within_the_timeout(tiny):
+    rc, took, out = stop_one_rank(tiny, signal.SIGKILL, 30, "killed")
+    assert rc != 0, out
+    assert took < 30 + 15, f"the surviving rank took {took:.0f}s to fail:\n{out[-3000:]}"
+    assert "tokenizer step 5000/5000" not in out
+    # the survivor says what happened in one line, not a traceback
+    assert re.search(r"error: rank 0: a collective failed .*another rank died or hung", out), out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_hung_rank_ends_the_other_with_an_error_after_the_timeout(tiny):
+    # SIGSTOP: the peer's sockets stay open, so only the process-group timeout can end the wait
+    rc, took, out = stop_one_rank(tiny, signal.SIGSTOP, 10, "hung")
+    assert rc != 0, out
+    assert "timed out" in out.lower(), out[-3000:]
+    assert took < 10 + 30, f"the surviving rank took {took:.0f}s to fail:\n{out[-3000:]}"
+    assert "tokenizer step 5000/5000" not in out

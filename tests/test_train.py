@@ -1,0 +1,597 @@
+"""The training loop (wm/train.py): exact resume after SIGTERM, kill -9 at random moments, failed
+saves, non-finite steps, refusals (new data, changed config, grid/class mismatch), TensorBoard and
+metrics.jsonl, summary.json. Everything runs on a tiny synthetic data set and tiny models (see
+conftest.py: `tiny`)."""
+
+import errno
+import json
+import math
+import random
+import re
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import wm.checkpoint as ck
+import wm.train as T
+from wm.checkpoint import latest_checkpoint, load
+from wm.config import Config
+from wm.errors import DataError, WMError, run_cli
+
+pytestmark = pytest.mark.usefixtures("restore_signals", "one_thread")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """In-process runs on one intra-op thread, as the subprocesses (OMP_NUM_THREADS=1): on a small
+    shared machine two spinning OpenMP threads make these tiny convolutions 10x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def assert_same(a, b, where="state"):
+    """Recursive bitwise equality of checkpoint contents (tensors with torch.equal)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where} differs (max |diff| " \
+            f"{(a.double() - b.double()).abs().max().item() if a.is_floating_point() else 'int'})"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys {sorted(a, key=str)} vs {sorted(b, key=str)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def ckpt_dir(run_dir: Path, stage: str = "tokenizer") -> Path:
+    return run_dir / stage / "checkpoints"
+
+
+def final_state(run_dir: Path, stage: str = "tokenizer") -> dict:
+    path = latest_checkpoint(ckpt_dir(run_dir, stage))
+    assert path is not None, f"no checkpoint in {ckpt_dir(run_dir, stage)}"
+    return load(path)
+
+
+def assert_same_training_state(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"]
+    assert_same(a["model"], b["model"], "model")
+    assert_same(a["optimizer"], b["optimizer"], "optimizer")
+    assert_same(a["scaler"], b["scaler"], "scaler")
+    assert_same(a["sampler"], b["sampler"], "sampler")
+    assert_same(a["rng"], b["rng"], "rng")
+
+
+def straight_then_interrupted(tiny, stage, n, k, **over):
+    """N steps straight in one folder; k steps, SIGTERM, and the same command again in another.
+    Returns (straight final state, resumed final state, stopped step)."""
+    key = f"{stage}_stage__max_steps"
+    p = tiny.spawn(out="straight", **{key: n}, **over)
+    assert p.finish(240) == 0, p.output
+    ref = final_state(tiny.run_dir("straight"), stage)
+    assert ref["step"] == n
+
+    p = tiny.spawn(out="cut", **{key: n}, **over)
+    assert p.wait_for(rf"^{stage} step {k}/{n} ", 120), p.output
+    p.p.send_signal(signal.SIGTERM)
+    rc = p.finish(120)
+    assert rc == 0, f"exit code {rc} after SIGTERM:\n{p.output}"
+    m = re.search(rf"{stage}: preempted \(SIGTERM/SIGINT\); saved step (\d+)", p.output)
+    assert m, p.output
+    stopped = int(m.group(1))
+    assert k < stopped < n, f"stopped at {stopped}, wanted a step in ({k}, {n}):\n{p.output}"
+    cdir = ckpt_dir(tiny.run_dir("cut"), stage)
+    assert (cdir / ck.checkpoint_name(stopped)).is_file()
+    assert load(latest_checkpoint(cdir))["step"] == stopped
+    assert not (tiny.run_dir("cut") / stage / "done.json").exists()
+
+    p = tiny.spawn(out="cut", **{key: n}, **over)
+    assert p.finish(240) == 0, p.output
+    assert "resumed from" in p.output and f"at step {stopped}/{n}" in p.output, p.output
+    got = final_state(tiny.run_dir("cut"), stage)
+    return ref, got, stopped
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. exact resume after SIGTERM
+
+
+@pytest.mark.slow
+def test_sigterm_resume_is_bitwise_exact_mid_epoch(tiny):
+    # 24 frames, batch 2: 12 steps per epoch; the stop lands mid-epoch, the resumed run crosses
+    # an epoch boundary (new permutation, validation, best checkpoint) and dead-code resets
+    ref, got, stopped = straight_then_interrupted(tiny, "tokenizer", n=16, k=2)
+    assert stopped % 12 != 0
+    st = load(ckpt_dir(tiny.run_dir("cut")) / ck.checkpoint_name(stopped))
+    assert st["sampler"]["consumed"] != 0, "the stop was meant to land mid-epoch"
+    assert_same_training_state(ref, got)
+
+
+@pytest.mark.slow
+def test_sigterm_resume_is_bitwise_exact_with_two_workers(tiny):
+    ref, got, stopped = straight_then_interrupted(tiny, "tokenizer", n=16, k=2, data__num_workers=2)
+    assert_same_training_state(ref, got)
+
+
+@pytest.mark.slow
+def test_sigterm_resume_is_bitwise_exact_world_stage(tiny):
+    # the tokenizer stage first, once; both world runs build on the very same tokenizer folder
+    p = tiny.spawn(out="runs", tokenizer_stage__max_steps=3, world_stage__max_steps=12)
+    assert p.finish(120) == 0, p.output
+    shutil.copytree(tiny.run_dir(), tiny.base / "tok_only")
+    both = dict(train__stages="tokenizer,world", tokenizer_stage__max_steps=3, world_stage__max_steps=12)
+
+    p = tiny.spawn(**both)
+    assert p.finish(240) == 0, p.output
+    assert "tokenizer stage already finished" in p.output
+    ref = final_state(tiny.run_dir(), "world")
+    assert ref["step"] == 12
+    assert ref["tokenizer"]["sha256"] == T.sha256_file(Path(ref["tokenizer"]["path"]))
+
+    shutil.rmtree(tiny.run_dir())
+    shutil.copytree(tiny.base / "tok_only", tiny.run_dir())
+    p = tiny.spawn(**both)
+    assert p.wait_for(r"^world step 2/12 ", 120), p.output
+    p.p.send_signal(signal.SIGTERM)
+    assert p.finish(120) == 0, p.output
+    m = re.search(r"world: preempted \(SIGTERM/SIGINT\); saved step (\d+)", p.output)
+    assert m, p.output
+    stopped = int(m.group(1))
+    assert 2 < stopped < 12
+    assert (ckpt_dir(tiny.run_dir(), "world") / ck.checkpoint_name(stopped)).is_file()
+
+    p = tiny.spawn(**both)
+    assert p.finish(240) == 0, p.output
+    assert f"at step {stopped}/12" in p.output, p.output
+    got = final_state(tiny.run_dir(), "world")
+    assert_same_training_state(ref, got)
+    assert got["tokenizer"] == ref["tokenizer"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. kill -9 at random moments
+
+
+# train.py with slow checkpoint writes: each step file's first write waits 0.1 s with the temp file
+# open, so that most kills land in the middle of a save
+SLOW_SAVES = """
+import sys, time
+import wm.checkpoint as c
+write = c._HashingWriter.write
+def slow(self, b):
+    if self.size == 0 and ".step_" in str(getattr(self.f, "name", "")):
+        time.sleep(0.1)
+    return write(self, b)
+c._HashingWriter.write = slow
+from wm.errors import run_cli
+from wm.train import main
+run_cli(main)
+"""
+
+
+@pytest.mark.slow
+def test_kill9_at_random_moments_leaves_loadable_checkpoint_and_same_result(tiny):
+    from conftest import Proc
+
+    n = 24
+    over = dict(tokenizer_stage__max_steps=n, train__ckpt_every=1, train__keep_last=2)
+    p = tiny.spawn(out="straight", **over)
+    assert p.finish(240) == 0, p.output
+    ref = final_state(tiny.run_dir("straight"))
+
+    seed = random.randrange(1 << 30)
+    rnd = random.Random(seed)
+    cdir = ckpt_dir(tiny.run_dir("killed"))
+    cmd = [sys.executable, "-c", SLOW_SAVES, *tiny.args(out="killed", **over)]
+    kills, temps_seen, finished, newest = [], 0, False, None
+    for attempt in range(5):
+        p = Proc(cmd)
+        # kill after the 1st-3rd step line of this attempt: at once (that step's save is starting)
+        # or a random moment later (training and the background write of the previous step)
+        target = rnd.randint(1, 3)
+        seen = 0
+        while seen < target and p.wait_for(r"^tokenizer step \d+/", 120):
+            seen += 1
+        if seen < target:  # it ran to the end first
+            assert p.finish(60) == 0, p.output
+            finished = True
+            break
+        if newest is not None:  # it resumed from the newest complete checkpoint
+            assert f"resumed from {newest} at step" in p.output, p.output
+        delay = rnd.choice([0.0, rnd.uniform(0.0, 0.3)])
+        time.sleep(delay)
+        p.p.send_signal(signal.SIGKILL)
+        rc = p.finish(60)
+        if rc == 0:  # it finished before the kill landed
+            finished = True
+            break
+        assert rc == -signal.SIGKILL, p.output
+        temps = [f.name for f in cdir.iterdir() if ".tmp-" in f.name]
+        temps_seen += bool(temps)
+        before, newest = newest, latest_checkpoint(cdir)
+        if newest is None:  # killed before the first save completed
+            assert before is None
+            kills.append((attempt, target, round(delay, 3), None, temps))
+            continue
+        st = load(newest)  # the newest complete checkpoint loads (weights_only=True)
+        assert st["step"] == int(newest.stem.split("_")[1])
+        assert set(st) >= {"model", "optimizer", "sampler", "rng", "step"}
+        if before is not None:  # a kill never loses the checkpoint a run resumed from
+            assert st["step"] >= int(before.stem.split("_")[1])
+        kills.append((attempt, target, round(delay, 3), st["step"], temps))
+    print(f"kill -9 seed {seed}: (attempt, after line, delay, newest step, temp files) {kills}")
+    assert len(kills) >= 3, f"fewer than 3 kills landed (seed {seed}): {kills}"
+    assert temps_seen >= 1, f"no kill landed during a checkpoint write (seed {seed}): {kills}"
+    if not finished:
+        p = Proc(cmd)
+        assert p.finish(240) == 0, p.output
+    got = final_state(tiny.run_dir("killed"))
+    assert_same_training_state(ref, got)
+    # rotation: keep_last=2 step files, plus best.pt kept apart; the killed writers' temp files gone
+    assert len(list(cdir.glob("step_*.pt"))) == 2
+    assert (cdir / "best.pt").is_file()
+    assert not [f for f in cdir.iterdir() if ".tmp-" in f.name]
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. a failed save
+
+
+def test_failed_save_is_one_clear_error_and_keeps_earlier_checkpoints(tiny, monkeypatch, capsys):
+    real_write = ck._HashingWriter.write
+
+    class FullDisk:
+        """The file of the step-3 checkpoint: the disk fills up after its first 512 bytes."""
+
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, b):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, k):
+            return getattr(self.f, k)
+
+    def write(self, b):
+        if "step_000000003" in str(getattr(self.f, "name", "")) and self.size > 512:
+            self.f = FullDisk(self.f)
+        return real_write(self, b)
+
+    monkeypatch.setattr(ck._HashingWriter, "write", write)
+    args = tiny.args(tokenizer_stage__max_steps=6, train__ckpt_every=1, train__keep_last=5)
+    with pytest.raises(SystemExit) as e:
+        run_cli(lambda: T.main(args))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, err
+    msg = lines[0]
+    assert "step_000000003.pt" in msg and "No space left" in msg, msg
+    assert err.rstrip().endswith(msg)  # the last thing said, no traceback after it
+    assert "Traceback" not in err
+    cdir = ckpt_dir(tiny.run_dir())
+    names = sorted(f.name for f in cdir.iterdir())
+    assert "step_000000003.pt" not in names and not [n for n in names if ".tmp-" in n], names
+    assert not [n for n in names if n.startswith("step_") and int(n[5:14]) > 3], names
+    for s in (1, 2):
+        assert load(cdir / ck.checkpoint_name(s))["step"] == s
+    assert load(latest_checkpoint(cdir))["step"] == 2
+    assert not (tiny.run_dir() / "tokenizer" / "done.json").exists()
+
+    # and the same command, with the disk back, resumes from step 2 and finishes
+    monkeypatch.setattr(ck._HashingWriter, "write", real_write)
+    assert T.main(args) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert load(latest_checkpoint(cdir))["step"] == 6
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. non-finite steps
+
+
+def metrics_records(run_dir: Path) -> list[dict]:
+    def no_constants(c):
+        raise ValueError(f"non-JSON constant {c}")
+
+    return [json.loads(ln, parse_constant=no_constants)
+            for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
+
+def test_nan_batch_is_skipped_and_counted(tiny, monkeypatch, capsys):
+    real = T.CodeWindows.__getitem__
+
+    def getitem(self, i):
+        out = real(self, i)
+        if i == 5:
+            out["motion"] = out["motion"].clone()
+            out["motion"][0, 0] = float("nan")
+        return out
+
+    monkeypatch.setattr(T.CodeWindows, "__getitem__", getitem)
+    args = tiny.args(train__stages="tokenizer,world", tokenizer_stage__max_steps=2,
+                     world_stage__max_steps=9, train__ckpt_every=1, train__keep_last=20)
+    assert T.main(args) == 0
+    rd = tiny.run_dir()
+    assert json.loads((rd / "world" / "done.json").read_text())["step"] == 9
+    skips = [r for r in metrics_records(rd) if "train/nonfinite_steps" in r]
+    assert len(skips) == 1, skips  # window 5 is in exactly one batch of the one epoch
+    assert skips[0]["kind"] == "world/skip" and skips[0]["train/nonfinite_steps"] == 1
+    bad = skips[0]["step"]
+    assert f"world step {bad}: non-finite loss or gradient, step skipped" in capsys.readouterr().out
+    train_rec = [r for r in metrics_records(rd) if r["kind"] == "world/train" and r["step"] == bad]
+    assert train_rec and train_rec[0]["loss/loss"] is None  # NaN went to JSON as null
+    cdir = ckpt_dir(rd, "world")
+    before = load(cdir / ck.checkpoint_name(bad - 1)) if bad > 1 else None
+    after = load(cdir / ck.checkpoint_name(bad))
+    for v in after["model"].values():
+        assert torch.isfinite(v.float()).all()
+    if before is not None:  # the skipped step changed nothing
+        assert_same(before["model"], after["model"], "model")
+        assert_same(before["optimizer"]["state"], after["optimizer"]["state"], "optimizer")
+    if bad < 9:  # and training went on
+        nxt = load(cdir / ck.checkpoint_name(bad + 1))
+        assert not all(torch.equal(nxt["model"][k], after["model"][k]) for k in after["model"])
+
+
+def test_too_many_nonfinite_steps_stop_with_clear_error(tiny, monkeypatch):
+    real = T.CodeWindows.__getitem__
+    calls = {"n": 0}
+
+    def getitem(self, i):
+        out = real(self, i)
+        calls["n"] += 1
+        if calls["n"] > 8:  # batch 2, no workers: steps 1-4 are clean, every later one is NaN
+            out["motion"] = torch.full_like(out["motion"], float("nan"))
+        return out
+
+    monkeypatch.setattr(T.CodeWindows, "__getitem__", getitem)
+    args = tiny.args(train__stages="tokenizer,world", tokenizer_stage__max_steps=2,
+                     world_stage__max_steps=9, train__ckpt_every=1, train__keep_last=20,
+                     train__max_nonfinite=3)
+    with pytest.raises(WMError) as e:
+        T.main(args)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "3 non-finite steps in a row" in msg and "checkpoint" in msg, msg
+    cdir = ckpt_dir(tiny.run_dir(), "world")
+    newest = latest_checkpoint(cdir)
+    assert newest is not None and str(newest) in msg, msg
+    good = load(cdir / ck.checkpoint_name(4))
+    last = load(newest)
+    assert last["step"] < 7  # the failing step was not saved
+    assert not (cdir / ck.checkpoint_name(7)).exists()
+    for v in last["model"].values():
+        assert torch.isfinite(v.float()).all()
+    assert_same(good["model"], last["model"], "model")  # skipped steps left the model as it was
+    assert not (tiny.run_dir() / "world" / "done.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. refusals: new data, another config, a data set that does not fit the config
+
+
+def test_changed_data_refuses_to_resume_unless_allowed(tiny):
+    args = tiny.args(tokenizer_stage__max_steps=3)
+    T._STOP["flag"] = True  # as if SIGTERM came at once: stops after step 1, saved
+    assert T.main(args) == 0
+    T._STOP.update(flag=False, count=0)
+    assert load(latest_checkpoint(ckpt_dir(tiny.run_dir())))["step"] == 1
+    old_fp = json.loads((tiny.run_dir() / "config.json").read_text())["meta"]["data_fingerprint"]
+
+    tiny.regenerate(seed=1)  # same root, same shapes, other content
+    with pytest.raises(WMError) as e:
+        T.main(args)
+    msg = str(e.value)
+    assert "--allow-new-data" in msg and str(tiny.data) in msg and old_fp[:16] in msg, msg
+    assert load(latest_checkpoint(ckpt_dir(tiny.run_dir())))["step"] == 1
+
+    assert T.main(args + ["--allow-new-data"]) == 0
+    assert load(latest_checkpoint(ckpt_dir(tiny.run_dir())))["step"] == 3
+    new_fp = json.loads((tiny.run_dir() / "config.json").read_text())["meta"]["data_fingerprint"]
+    assert new_fp != old_fp
+    assert T.main(args) == 0  # the run now belongs to the new data
+
+
+def test_changed_config_refuses_unless_fresh_which_moves_the_old_run_aside(tiny, capsys):
+    args = tiny.args(tokenizer_stage__max_steps=2)
+    assert T.main(args) == 0
+    rd = tiny.run_dir()
+    old_ckpt = latest_checkpoint(ckpt_dir(rd))
+    old_bytes = old_ckpt.read_bytes()
+
+    changed = tiny.args(tokenizer_stage__max_steps=2, tokenizer_stage__lr=5e-3)
+    with pytest.raises(WMError) as e:
+        T.main(changed)
+    msg = str(e.value)
+    assert "tokenizer_stage.lr" in msg and "--fresh" in msg and "\n" not in msg, msg
+
+    capsys.readouterr()
+    assert T.main(changed + ["--fresh"]) == 0
+    out = capsys.readouterr().out
+    asides = [p for p in rd.parent.iterdir() if p.name.startswith(rd.name + ".")]
+    assert len(asides) == 1, list(rd.parent.iterdir())
+    assert str(asides[0]) in out
+    kept = asides[0] / "tokenizer" / "checkpoints" / old_ckpt.name
+    assert kept.read_bytes() == old_bytes  # moved, never deleted
+    cfg = json.loads((rd / "config.json").read_text())
+    assert cfg["tokenizer_stage"]["lr"] == 5e-3
+    assert load(latest_checkpoint(ckpt_dir(rd)))["config"]["tokenizer_stage"]["lr"] == 5e-3
+
+
+def test_fresh_twice_in_one_second_keeps_both_old_runs(tiny):
+    args = tiny.args(tokenizer_stage__max_steps=1)
+    assert T.main(args) == 0
+    assert T.main(args + ["--fresh"]) == 0
+    assert T.main(args + ["--fresh"]) == 0
+    rd = tiny.run_dir()
+    asides = [p for p in rd.parent.iterdir() if p.name.startswith(rd.name + ".")]
+    assert len(asides) == 2
+    for a in asides:
+        assert latest_checkpoint(ckpt_dir(a)) is not None
+
+
+@pytest.mark.parametrize("over, key", [
+    ({"data__grid": "16,16,8"}, "data.grid"),
+    ({"data__num_classes": 10, "data__free_class": 9}, "data.num_classes"),
+])
+def test_data_that_does_not_fit_the_config_refuses_to_start(tiny, over, key):
+    with pytest.raises(DataError) as e:
+        T.main(tiny.args(**over))
+    msg = str(e.value)
+    assert str(tiny.data / "manifest.json") in msg and key in msg and "\n" not in msg, msg
+    cdir = ckpt_dir(tiny.run_dir())
+    assert not cdir.is_dir() or latest_checkpoint(cdir) is None
+    # nothing was started: the corrected command runs without --fresh
+    assert T.main(tiny.args()) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 7, 8. TensorBoard, metrics.jsonl, summary.json
+
+
+@pytest.fixture(scope="module")
+def logged_run(tiny_factory, one_thread):
+    """Both stages, with TensorBoard and images, validating every 2 steps."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    tiny = tiny_factory()
+    args = tiny.args(train__stages="tokenizer,world", train__tensorboard=True,
+                     tokenizer_stage__max_steps=4, world_stage__max_steps=4,
+                     tokenizer_stage__eval_every=2, world_stage__eval_every=2)
+    try:
+        assert T.main(args) == 0
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    return tiny.run_dir()
+
+
+def test_tensorboard_events_hold_the_expected_tags(logged_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(logged_run / "tb"), size_guidance={"scalars": 0, "images": 0})
+    ea.Reload()
+    tags = ea.Tags()
+    for t in ("loss/loss", "train/lr", "perf/samples_per_s", "perf/data_wait_frac", "train/grad_norm",
+              "val/iou", "val/miou", "val/copy_last_iou", "val/iou_t1", "val/miou_t2"):
+        assert t in tags["scalars"], (t, tags["scalars"])
+    assert "val/recon_gt_top_pred_bottom" in tags["images"], tags["images"]
+    assert "val/forecast_gt_top_pred_bottom" in tags["images"], tags["images"]
+    lr = ea.Scalars("train/lr")
+    assert len(lr) == 8 and all(math.isfinite(e.value) and e.value > 0 for e in lr)  # 4 + 4 steps
+    img = ea.Images("val/recon_gt_top_pred_bottom")[0]
+    assert img.width > 0 and img.height > 0 and img.encoded_image_string[:4] == b"\x89PNG"
+
+
+def test_tensorboard_hparams_hold_the_config_and_final_metrics(logged_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    ea = EventAccumulator(str(logged_run / "tb" / "hparams"))
+    ea.Reload()
+    content = ea.PluginTagToContent("hparams")
+    exp = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    metrics = {m.name.tag for m in exp.metric_infos}
+    assert {"hparam/tokenizer/val/miou", "hparam/world/val/iou", "hparam/world/val/copy_last_iou_t2"} <= metrics
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    hp = start.session_start_info.hparams
+    assert hp["tokenizer_stage.lr"].number_value == pytest.approx(Config().tokenizer_stage.lr)
+    assert hp["train.stages"].string_value  # lists as text
+    done = json.loads((logged_run / "world" / "done.json").read_text())
+    assert ea.Scalars("hparam/world/val/iou")[0].value == pytest.approx(done["metrics"]["val/iou"], rel=1e-6)
+
+
+def test_metrics_jsonl_is_strict_json(logged_run):
+    recs = metrics_records(logged_run)
+    kinds = {r["kind"] for r in recs}
+    assert {"tokenizer/train", "tokenizer/val", "world/train", "world/val"} <= kinds, kinds
+    for r in recs:
+        assert isinstance(r["step"], int)
+    train = [r for r in recs if r["kind"] == "tokenizer/train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert all(isinstance(r["loss/loss"], float) for r in train)
+    val = [r for r in recs if r["kind"] == "world/val"]
+    assert [r["step"] for r in val] == [2, 4]
+    assert all("val/copy_last_iou_t2" in r for r in val)
+
+
+def test_summary_json_has_the_final_figures(logged_run):
+    s = json.loads((logged_run / "summary.json").read_text())
+    tok = s["tokenizer"]
+    assert all(isinstance(tok[k], float) for k in ("recon_iou", "recon_miou"))
+    w = s["world"]
+    assert w["steps"] == ["t+1", "t+2"]
+    for k in ("iou", "miou", "copy_last_iou", "copy_last_miou"):
+        assert len(w[k]) == 2 and all(isinstance(v, float) and 0 <= v <= 100 for v in w[k]), (k, w[k])
+    done = json.loads((logged_run / "world" / "done.json").read_text())
+    assert w["iou"] == [done["metrics"]["val/iou_t1"], done["metrics"]["val/iou_t2"]]
+    assert w["copy_last_miou"][1] == done["metrics"]["val/copy_last_miou_t2"]
+
+
+def test_broken_summary_writer_warns_once_and_training_finishes(tiny, monkeypatch):
+    import torch.utils.tensorboard as tb
+
+    class Broken:
+        def __init__(self, *a, **k):
+            raise OSError("tensorboard is broken")
+
+    monkeypatch.setattr(tb, "SummaryWriter", Broken)
+    with pytest.warns(RuntimeWarning) as rec:
+        assert T.main(tiny.args(train__tensorboard=True, tokenizer_stage__max_steps=3,
+                                tokenizer_stage__eval_every=1)) == 0
+    ours = [w for w in rec if "logging to tensorboard failed" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in rec]
+    assert (tiny.run_dir() / "tokenizer" / "done.json").is_file()
+    assert len([r for r in metrics_records(tiny.run_dir()) if r["kind"] == "tokenizer/train"]) == 3
+
+
+def test_tb_folder_that_is_a_file_warns_once_and_training_finishes(tiny):
+    rd = tiny.run_dir()
+    rd.mkdir(parents=True)
+    (rd / "tb").write_text("not a folder")
+    with pytest.warns(RuntimeWarning) as rec:
+        assert T.main(tiny.args(train__tensorboard=True, tokenizer_stage__max_steps=3,
+                                tokenizer_stage__eval_every=1)) == 0
+    ours = [w for w in rec if "logging to tensorboard failed" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in rec]
+    assert (rd / "tokenizer" / "done.json").is_file()
+    assert (rd / "tb").read_text() == "not a folder"
+
+
+def test_logger_failing_mid_run_warns_once_and_training_finishes(tiny, monkeypatch):
+    import torch.utils.tensorboard as tb
+
+    real = tb.SummaryWriter
+
+    class Flaky(real):
+        calls = 0
+
+        def add_scalar(self, *a, **k):
+            Flaky.calls += 1
+            if Flaky.calls > 5:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super().add_scalar(*a, **k)
+
+    monkeypatch.setattr(tb, "SummaryWriter", Flaky)
+    with pytest.warns(RuntimeWarning) as rec:
+        assert T.main(tiny.args(train__tensorboard=True, tokenizer_stage__max_steps=4)) == 0
+    ours = [w for w in rec if "logging to tensorboard failed" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in rec]
+    assert (tiny.run_dir() / "tokenizer" / "done.json").is_file()
+    recs = [r for r in metrics_records(tiny.run_dir()) if r["kind"] == "tokenizer/train"]
+    assert len(recs) == 4  # metrics.jsonl kept working

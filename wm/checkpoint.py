@@ -1,0 +1,612 @@
+"""Atomic, rotating, asynchronous checkpoints and the exact-resume state helpers (DESIGN.md §5).
+
+Layout of a checkpoints folder (``runs/<name>/checkpoints/``)::
+
+    step_000001000.pt     one complete checkpoint per saved step (torch.save, zip format)
+    step_000002000.pt     ... the newest `keep_last` of them; older ones are rotated away
+    latest                JSON pointer to the newest complete checkpoint:
+                          {"file": "step_000002000.pt", "step": 2000, "size": ..., "sha256": ...}
+    best.pt               hard link to the step file with the best metric (never rotated away)
+    best.json             {"source": "step_...pt", "step": ..., "metric": ..., "mode": ..., "value": ...}
+    .step_000003000.pt.tmp-<pid>   a write in progress (or left by a killed process; removed on start)
+
+Guarantees:
+
+- A file exists under a checkpoint name (``step_*.pt``, ``best.pt``, ``latest``, ``best.json``) only
+  once it is complete: it is written to a ``.<name>.tmp-<pid>`` file in the same folder, flushed,
+  fsynced, ``os.replace``-d onto its name, and the folder is fsynced.
+- The pointer is replaced only after the checkpoint it names is complete; rotation deletes the oldest
+  step files beyond ``keep_last`` only after the new one is saved.
+- A failed save leaves no new file under a checkpoint name and no temp file, keeps every previous
+  checkpoint and the pointer, and raises :class:`CheckpointError` (one line).
+- :meth:`Checkpointer.save` copies every tensor to CPU (a real copy, never an alias of live
+  parameters) before returning, then writes in a background thread; the next ``save``/``wait``/
+  ``close`` waits for it and re-raises its failure.
+
+The class knows nothing of distributed training: the loop calls it on rank 0 only (every rank
+may call :func:`latest_checkpoint` / :func:`resume_state` / :func:`load` to resume).
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from wm.errors import ConfigError, WMError
+
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "load",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "clean_stale_temps",
+    "resume_state",
+    "rng_state",
+    "set_rng_state",
+    "checkpoint_name",
+    "to_cpu",
+    "POINTER",
+    "BEST",
+    "BEST_JSON",
+]
+
+POINTER = "latest"
+BEST = "best.pt"
+BEST_JSON = "best.json"
+_STEP_RE = re.compile(r"^step_(\d{9,})\.pt$")
+_TMP_RE = re.compile(r"^\..+\.tmp-\d+$")
+
+
+class CheckpointError(WMError):
+    """A checkpoint that cannot be written or read; the one-line message names the file."""
+
+
+def _one_line(x: Any) -> str:
+    s = str(x).strip()
+    return s.splitlines()[0] if s else type(x).__name__
+
+
+def checkpoint_name(step: int) -> str:
+    """The file name of the checkpoint of `step`: ``step_000001234.pt``."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"checkpoint step must be an int >= 0, got {step!r}")
+    return f"step_{step:09d}.pt"
+
+
+def _step_of(name: str) -> int | None:
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _tmp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EPERM):  # write-only folder: nothing more we can do
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # file systems that cannot fsync a folder
+            raise
+    finally:
+        os.close(fd)
+
+
+def _unlink_quiet(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class _HashingWriter:
+    """File wrapper for torch.save: hashes and counts what goes through, and keeps the first OSError
+    (torch's zip writer turns a failing Python write into an unrelated RuntimeError)."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.size, self.error = f, hashlib.sha256(), 0, None
+
+    def write(self, b) -> int:
+        try:
+            n = self.f.write(b)
+        except OSError as e:
+            if self.error is None:
+                self.error = e
+            raise
+        mv = memoryview(b).cast("B")
+        self.sha.update(mv[:n] if n is not None and n < len(mv) else mv)
+        self.size += len(mv) if n is None else n
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _atomic_write(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
+    """Write `path` through `write(fileobj)` atomically; returns (size, sha256 hex).
+
+    On any failure the temp file is removed, `path` is left as it was, and the error propagates."""
+    tmp = _tmp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            w = _HashingWriter(f)
+            try:
+                write(w)
+            except Exception as e:
+                if w.error is not None and w.error is not e:
+                    raise w.error from e
+                raise
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quiet(tmp)
+        raise
+    try:
+        _fsync_dir(path.parent)
+    except BaseException:
+        _unlink_quiet(path)  # its directory entry may not be durable: the save failed
+        raise
+    return w.size, w.sha.hexdigest()
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    data = (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
+    _atomic_write(path, lambda f: f.write(data))
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+# --------------------------------------------------------------------------------------------------
+# Copying state to CPU (and checking it will load with weights_only=True)
+
+
+_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def _cpu_copy(obj: Any, *, copy: bool, pinned: bool, memo: dict, cuda_devs: set, where: str) -> Any:
+    if isinstance(obj, torch.Tensor):
+        if id(obj) in memo:  # the same tensor twice (tied weights) stays one tensor
+            return memo[id(obj)]
+        t = obj.detach()
+        if t.device.type == "cuda" and pinned:
+            out = torch.empty_like(t, device="cpu", pin_memory=True)
+            out.copy_(t, non_blocking=True)
+            cuda_devs.add(t.device)
+        elif copy:
+            out = t.to("cpu", copy=True)
+        else:
+            out = t.cpu()
+        memo[id(obj)] = out
+        return out
+    if type(obj) in _LEAVES:
+        return obj
+    if isinstance(obj, dict):
+        out = collections.OrderedDict() if isinstance(obj, collections.OrderedDict) else {}
+        for k, v in obj.items():
+            if type(k) not in _LEAVES:
+                raise TypeError(f"checkpoint state key {where}{k!r} is a {type(k).__name__}; "
+                                "use str/int keys so it loads with weights_only=True")
+            out[k] = _cpu_copy(v, copy=copy, pinned=pinned, memo=memo, cuda_devs=cuda_devs,
+                               where=f"{where}{k}.")
+        meta = getattr(obj, "_metadata", None)  # module state_dict versions
+        if meta is not None:
+            out._metadata = _cpu_copy(meta, copy=copy, pinned=pinned, memo=memo,
+                                      cuda_devs=cuda_devs, where=f"{where}_metadata.")
+        return out
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        items = [_cpu_copy(v, copy=copy, pinned=pinned, memo=memo, cuda_devs=cuda_devs,
+                           where=f"{where}{i}.") for i, v in enumerate(obj)]
+        return items if type(obj) is list else tuple(items)
+    if isinstance(obj, np.generic):  # np.float32 metrics and the like
+        return obj.item()
+    for base in (bool, int, float, str):  # IntEnum, np.float64 (a float subclass), ...
+        if isinstance(obj, base):
+            return base(obj)
+    raise TypeError(f"checkpoint state {where.rstrip('.') or '<root>'} is a {type(obj).__name__}, "
+                    "which torch.load(weights_only=True) refuses; store tensors, numbers, strings, "
+                    "lists, tuples or dicts (see rng_state() for RNG states)")
+
+
+def to_cpu(state: Any, *, copy: bool = True) -> Any:
+    """A CPU deep copy of `state`: every tensor `.detach().to('cpu', copy=True)` (CUDA tensors go
+    through pinned memory with non_blocking copies and one synchronize per device), containers
+    rebuilt, numpy scalars turned into Python numbers. Raises TypeError for values that
+    ``torch.load(weights_only=True)`` would refuse. With copy=False CPU tensors are not copied."""
+    memo: dict = {}
+    cuda_devs: set = set()
+    pinned = copy and torch.cuda.is_available()
+    out = _cpu_copy(state, copy=copy, pinned=pinned, memo=memo, cuda_devs=cuda_devs, where="")
+    for d in cuda_devs:
+        torch.cuda.synchronize(d)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# RNG states that survive weights_only=True
+
+
+def rng_state() -> dict:
+    """The process's RNG states as tensors/lists/numbers (all accepted by weights_only loading):
+    torch CPU (ByteTensor), every CUDA device (list of ByteTensors, if CUDA is available), numpy's
+    legacy global RNG, and Python's `random`."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    version, internal, gauss_next = random.getstate()
+    d = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": str(kind), "keys": [int(k) for k in keys], "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "python": {"version": int(version), "internal": [int(x) for x in internal],
+                   "gauss_next": None if gauss_next is None else float(gauss_next)},
+    }
+    if torch.cuda.is_available():
+        d["cuda"] = torch.cuda.get_rng_state_all()
+    return d
+
+
+def set_rng_state(d: dict) -> None:
+    """Restore what `rng_state()` captured (also after a weights_only round trip)."""
+    torch.set_rng_state(torch.as_tensor(d["torch"], dtype=torch.uint8).cpu())
+    if d.get("cuda") is not None and torch.cuda.is_available():
+        states = [torch.as_tensor(s, dtype=torch.uint8).cpu() for s in d["cuda"]]
+        n = min(len(states), torch.cuda.device_count())
+        torch.cuda.set_rng_state_all(states[:n])
+    n = d["numpy"]
+    np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), int(n["pos"]),
+                         int(n["has_gauss"]), float(n["gauss"])))
+    p = d["python"]
+    gn = p["gauss_next"]
+    random.setstate((int(p["version"]), tuple(int(x) for x in p["internal"]),
+                     None if gn is None else float(gn)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding and loading checkpoints
+
+
+def list_checkpoints(folder: str | os.PathLike) -> list[Path]:
+    """The `step_*.pt` files of `folder`, oldest step first (temp files never match)."""
+    folder = Path(folder)
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    found = [(s, n) for n in names if (s := _step_of(n)) is not None]
+    return [folder / n for s, n in sorted(found)]
+
+
+def _previous_of(path: Path) -> Path | None:
+    """The newest step file of path's folder older than `path` (by step), if any."""
+    step = _step_of(path.name)
+    older = [p for p in list_checkpoints(path.parent)
+             if p.name != path.name and (step is None or _step_of(p.name) < step)]
+    return older[-1] if older else None
+
+
+def _loads_quickly(path: Path) -> bool:
+    """Whether `path` opens as a complete checkpoint (zip directory and pickle intact; tensor data
+    memory-mapped, not read)."""
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return True
+    except Exception:
+        return False
+
+
+def _pointer_target(folder: Path) -> Path | None:
+    d = _read_json(folder / POINTER)
+    if d is None or not isinstance(d.get("file"), str) or _step_of(d["file"]) is None:
+        return None
+    p = folder / d["file"]
+    try:
+        size = p.stat().st_size
+    except OSError:
+        return None
+    if isinstance(d.get("size"), int) and d["size"] != size:
+        return None
+    return p
+
+
+def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint of `folder`: the one the `latest` pointer names (if the pointer
+    is readable and the file exists with the recorded size), else the newest `step_*.pt` that
+    loads. None when there is none."""
+    folder = Path(folder)
+    p = _pointer_target(folder)
+    if p is not None:
+        return p
+    for c in reversed(list_checkpoints(folder)):
+        if _loads_quickly(c):
+            return c
+    return None
+
+
+def load(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
+    """`torch.load(path, map_location, weights_only=True)`; a missing, unreadable, truncated or
+    corrupt file raises CheckpointError naming it (and the previous checkpoint, if there is one)."""
+    path = Path(path)
+
+    def prev_hint() -> str:
+        prev = _previous_of(path)
+        return f"the previous checkpoint is {prev}" if prev else f"no earlier checkpoint in {path.parent}"
+
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist; {prev_hint()}")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {_one_line(e)}") from e
+    except Exception as e:  # torch raises RuntimeError/UnpicklingError/EOFError/... for damage
+        msg = _one_line(e)
+        if "Weights only load failed" in str(e):
+            raise CheckpointError(f"checkpoint {path} holds objects that torch.load(weights_only=True) "
+                                  f"refuses ({msg}); {prev_hint()}") from e
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({msg}); {prev_hint()}") from e
+
+
+def resume_state(folder: str | os.PathLike, map_location: Any = "cpu") -> dict | None:
+    """The state of the newest complete checkpoint of `folder` (see latest_checkpoint), or None
+    when the folder holds none. A checkpoint that fails to load raises CheckpointError."""
+    p = latest_checkpoint(folder)
+    return None if p is None else load(p, map_location=map_location)
+
+
+def clean_stale_temps(folder: str | os.PathLike) -> list[Path]:
+    """Remove the `.<name>.tmp-<pid>` files a killed writer left in `folder`; returns them."""
+    folder = Path(folder)
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return removed
+    for n in names:
+        if _TMP_RE.match(n):
+            try:
+                os.unlink(folder / n)
+                removed.append(folder / n)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                warnings.warn(f"cannot remove stale temp file {folder / n}: {_one_line(e)}", stacklevel=2)
+    return removed
+
+
+# --------------------------------------------------------------------------------------------------
+# The writer
+
+
+class Checkpointer:
+    """Saves checkpoints of one run into `folder`. Use it on rank 0 only: it knows nothing of DDP.
+
+    - ``keep_last`` (>= 2): how many `step_*.pt` files to keep; the new one is saved first, then the
+      oldest beyond it are deleted.
+    - ``best_metric`` / ``best_mode`` ("max" or "min"): when a save's `metrics` carry a better value,
+      ``best.pt`` (a hard link to the step file) and ``best.json`` are replaced atomically.
+    - ``async_save``: write in a background thread (default) or before `save` returns.
+
+    After each save, ``last_blocked_s`` is how long `save` held the caller (waiting for the previous
+    write + the CPU copy); ``last_write_s`` is how long the latest finished write took (valid after
+    `wait()`, or after the next `save` has returned); ``last_path`` is the latest complete file.
+    Stale temp files of a killed writer are removed when the Checkpointer is built.
+    """
+
+    def __init__(self, folder: str | os.PathLike, keep_last: int = 3, best_metric: str | None = None,
+                 best_mode: str = "max", async_save: bool = True):
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 2:
+            raise ConfigError("keep_last", f"must be an int >= 2 (a checkpoint is deleted only once a "
+                                           f"newer one exists), got {keep_last!r}")
+        if best_mode not in ("max", "min"):
+            raise ConfigError("best_mode", f"must be 'max' or 'min', got {best_mode!r}")
+        self.folder = Path(folder)
+        self.keep_last, self.best_metric, self.best_mode = keep_last, best_metric, best_mode
+        self.async_save = bool(async_save)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"cannot create checkpoint folder {self.folder}: {_one_line(e)}") from e
+        clean_stale_temps(self.folder)
+        self.best_value: float | None = None
+        self.best_step: int | None = None
+        b = _read_json(self.folder / BEST_JSON)
+        if (best_metric is not None and b is not None and b.get("metric") == best_metric
+                and b.get("mode") == best_mode and isinstance(b.get("value"), (int, float))
+                and (self.folder / BEST).is_file()):
+            self.best_value, self.best_step = float(b["value"]), b.get("step")
+        self.last_blocked_s = 0.0
+        self.last_write_s = 0.0
+        self.last_path: Path | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+
+    # -- public ------------------------------------------------------------------------------------
+
+    def save(self, state: dict, step: int, metrics: dict | None = None) -> None:
+        """Save `state` as ``step_{step:09d}.pt``. Waits for the previous save (re-raising its
+        failure), copies every tensor to CPU, then writes in the background (or now, if not async)."""
+        t0 = time.perf_counter()
+        if self._closed:
+            raise RuntimeError("Checkpointer.save() after close()")
+        name = checkpoint_name(step)
+        self.wait()
+        cpu_state = to_cpu(state, copy=self.async_save)
+        value = self._metric_value(metrics)
+        if self.async_save:
+            self._thread = threading.Thread(target=self._run, args=(cpu_state, step, name, value),
+                                            name=f"checkpoint-{name}", daemon=False)
+            self._thread.start()
+            self.last_blocked_s = time.perf_counter() - t0
+        else:
+            self._run(cpu_state, step, name, value)
+            self.last_blocked_s = time.perf_counter() - t0
+            self._raise_pending()
+
+    def wait(self) -> None:
+        """Block until the write in progress is done; re-raise its failure (once)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise_pending()
+
+    def close(self) -> None:
+        """Wait for the last write (re-raising its failure); further saves are refused."""
+        self._closed = True
+        self.wait()
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint on disk (a write still in progress is not counted)."""
+        return latest_checkpoint(self.folder)
+
+    def list(self) -> list[Path]:
+        """The `step_*.pt` files, oldest step first."""
+        return list_checkpoints(self.folder)
+
+    @property
+    def best_path(self) -> Path | None:
+        p = self.folder / BEST
+        return p if p.is_file() else None
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not hide the original exception behind a save failure
+            self._closed = True
+            try:
+                self.wait()
+            except Exception:
+                pass
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _raise_pending(self) -> None:
+        err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def _metric_value(self, metrics: dict | None) -> float | None:
+        if self.best_metric is None or not metrics or self.best_metric not in metrics:
+            return None
+        v = metrics[self.best_metric]
+        try:
+            v = float(v.item() if isinstance(v, torch.Tensor) else v)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"metric {self.best_metric!r} = {v!r} is not a number") from e
+        return v if math.isfinite(v) else None
+
+    def _better(self, v: float | None) -> bool:
+        if v is None:
+            return False
+        if self.best_value is None:
+            return True
+        return v > self.best_value if self.best_mode == "max" else v < self.best_value
+
+    def _run(self, state: dict, step: int, name: str, value: float | None) -> None:
+        try:
+            self._write(state, step, name, value)
+        except BaseException as e:  # surfaces at the next save()/wait()/close()
+            self._error = e
+
+    def _write(self, state: dict, step: int, name: str, value: float | None) -> None:
+        t0 = time.perf_counter()
+        path = self.folder / name
+        try:
+            prev = self.latest()
+        except OSError:
+            prev = None
+        intact = (f"the previous checkpoint {prev.name} and the pointer are intact" if prev else
+                  f"no earlier checkpoint in {self.folder}")
+        try:
+            size, sha = _atomic_write(path, lambda f: torch.save(state, f))
+        except OSError as e:
+            raise CheckpointError(f"cannot write checkpoint {path}: {_one_line(e)}; nothing was "
+                                  f"saved under that name, {intact}") from e
+        try:
+            _write_json_atomic(self.folder / POINTER,
+                               {"file": name, "step": step, "size": size, "sha256": sha})
+        except OSError as e:
+            _unlink_quiet(path)  # a failed save leaves nothing under a checkpoint name
+            raise CheckpointError(f"cannot write checkpoint pointer {self.folder / POINTER}: "
+                                  f"{_one_line(e)}; {name} was removed, {intact}") from e
+        self.last_path = path
+        if self._better(value):
+            self._update_best(path, step, value, size, sha)
+        self._rotate(keep=path)
+        self.last_write_s = time.perf_counter() - t0
+
+    def _update_best(self, path: Path, step: int, value: float, size: int, sha: str) -> None:
+        best = self.folder / BEST
+        tmp = _tmp_path(best)
+        try:
+            _unlink_quiet(tmp)
+            try:
+                os.link(path, tmp)  # no copy; deleting the step file later leaves best.pt intact
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+                    raise
+                _atomic_copy(path, tmp)  # file system without hard links
+            os.replace(tmp, best)
+            _fsync_dir(self.folder)
+            _write_json_atomic(self.folder / BEST_JSON, {
+                "source": path.name, "step": step, "metric": self.best_metric,
+                "mode": self.best_mode, "value": value, "size": size, "sha256": sha})
+        except OSError as e:
+            _unlink_quiet(tmp)
+            held = f"step {self.best_step}" if self.best_step is not None else "the previous best"
+            raise CheckpointError(f"checkpoint {path.name} was saved, but {best} could not be "
+                                  f"updated: {_one_line(e)}; it still holds {held}") from e
+        self.best_value, self.best_step = value, step
+
+    def _rotate(self, keep: Path) -> None:
+        others = [p for p in self.list() if p.name != keep.name]
+        doomed = others[: max(0, len(others) - (self.keep_last - 1))]
+        for p in doomed:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                warnings.warn(f"cannot delete old checkpoint {p}: {_one_line(e)}", stacklevel=2)
+        if doomed:
+            try:
+                _fsync_dir(self.folder)
+            except OSError:
+                pass
+
+
+def _atomic_copy(src: Path, tmp: Path) -> None:
+    import shutil
+
+    with open(src, "rb") as fi, open(tmp, "wb") as fo:
+        shutil.copyfileobj(fi, fo, 16 << 20)
+        fo.flush()
+        os.fsync(fo.fileno())

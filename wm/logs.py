@@ -1,0 +1,148 @@
+"""Run logs: TensorBoard scalars/images/hparams, `metrics.jsonl` for scripts, and a console line.
+
+Only rank 0 logs. Names carry their units (`loss/ce`, `perf/samples_per_s`, `mem/max_alloc_gib`).
+A logger that fails (tensorboard not installed, folder unwritable, disk full) warns once and is
+switched off; the run goes on, and the other sinks keep working: metrics never cost a run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+
+def _clean(v: Any) -> Any:
+    """JSON-safe: floats stay floats, NaN/inf become None (strict JSON has no NaN)."""
+    if isinstance(v, (float, np.floating)):
+        v = float(v)
+        return v if math.isfinite(v) else None
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    return v
+
+
+class Logger:
+    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True,
+                 stream=None):
+        self.dir, self.enabled = Path(run_dir), enabled
+        self.stream = stream or sys.stdout
+        self._tb = None
+        self._jsonl = None
+        self._failed: set[str] = set()
+        self._last_line = 0.0
+        if not enabled:
+            return
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.dir / "tb"))
+            except Exception as e:  # ImportError, OSError, anything: warn and go on
+                self._fail("tensorboard", e)
+        try:
+            self._jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
+        except OSError as e:
+            self._fail("metrics.jsonl", e)
+
+    def _fail(self, sink: str, e: BaseException) -> None:
+        if sink not in self._failed:
+            self._failed.add(sink)
+            warnings.warn(f"logging to {sink} failed ({type(e).__name__}: {e}); it is switched off, "
+                          "training goes on", RuntimeWarning, stacklevel=3)
+        if sink == "tensorboard":
+            self._tb = None
+        elif sink == "metrics.jsonl":
+            self._jsonl = None
+
+    def scalars(self, step: int, values: dict[str, float], kind: str = "train") -> None:
+        """One record: TensorBoard scalars under their names, and a line in metrics.jsonl."""
+        if not self.enabled:
+            return
+        if self._tb is not None:
+            try:
+                for k, v in values.items():
+                    if v is not None and math.isfinite(float(v)):
+                        self._tb.add_scalar(k, float(v), step)
+            except Exception as e:
+                self._fail("tensorboard", e)
+        if self._jsonl is not None:
+            try:
+                rec = {"kind": kind, "step": step, "time": round(time.time(), 3), **_clean(values)}
+                self._jsonl.write(json.dumps(rec) + "\n")
+            except Exception as e:
+                self._fail("metrics.jsonl", e)
+
+    def record(self, step: int, kind: str, payload: dict) -> None:
+        """A structured (non-scalar) record in metrics.jsonl only, e.g. a per-class table."""
+        if self.enabled and self._jsonl is not None:
+            try:
+                self._jsonl.write(json.dumps({"kind": kind, "step": step, **_clean(payload)}) + "\n")
+            except Exception as e:
+                self._fail("metrics.jsonl", e)
+
+    def image(self, tag: str, step: int, rgb: np.ndarray) -> None:
+        """(H, W, 3) uint8 picture."""
+        if self.enabled and self._tb is not None:
+            try:
+                self._tb.add_image(tag, rgb, step, dataformats="HWC")
+            except Exception as e:
+                self._fail("tensorboard", e)
+
+    def hparams(self, hparams: dict, metrics: dict) -> None:
+        if self.enabled and self._tb is not None:
+            try:
+                flat = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in hparams.items()}
+                fin = {f"hparam/{k}": float(v) for k, v in metrics.items()
+                       if v is not None and math.isfinite(float(v))}
+                self._tb.add_hparams(flat, fin, run_name="hparams")
+            except Exception as e:
+                self._fail("tensorboard", e)
+
+    def console(self, text: str, every_s: float = 0.0) -> None:
+        """A progress line (rate-limited by every_s); rank 0 only."""
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if every_s and now - self._last_line < every_s:
+            return
+        self._last_line = now
+        try:
+            print(text, file=self.stream, flush=True)
+        except Exception:
+            pass  # a closed console must not stop training either
+
+    def flush(self) -> None:
+        for sink in (self._tb, self._jsonl):
+            if sink is not None:
+                try:
+                    sink.flush()
+                except Exception:
+                    pass
+
+    def close(self) -> None:
+        self.flush()
+        for sink in (self._tb, self._jsonl):
+            if sink is not None:
+                try:
+                    sink.close()
+                except Exception:
+                    pass
+        self._tb = self._jsonl = None
+
+
+def eta(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    h, r = divmod(seconds, 3600)
+    m, s = divmod(r, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"

@@ -1,0 +1,789 @@
+"""The training loop: stages, AMP, accumulation, DDP, validation, checkpoints, resume, preemption.
+
+    python train.py                                   # the demo: synthetic scenes, both stages, a table
+    torchrun --nproc_per_node 8 train.py --cfg cfg.json [--set train.amp=fp16 ...]
+
+A run lives in `<run.out_dir>/<run.name>/`: `config.json` (resolved, with the data fingerprint and
+versions), `<stage>/checkpoints/`, `tb/`, `metrics.jsonl`. Stages run in order: the tokenizer
+(VQ-VAE on single frames), then the world model on the frozen tokenizer, trained from a token cache
+(every training frame encoded once) and validated by decoding its rollouts against the real
+occupancy, beside the copy-last-frame baseline. Re-running the same command resumes from the newest
+complete checkpoint; `--fresh` starts over (the old run folder is moved aside, never deleted).
+
+The loop itself (`fit`) reads top to bottom: per optimizer step, `grad_accum` micro-batches
+(DDP syncs gradients only on the last), one all-reduced check that loss and gradients are finite
+(a non-finite step is skipped and counted; too many in a row stops the run, the last good
+checkpoint intact), clip, step, schedule; then logging, validation, checkpointing, and the
+preemption check (SIGTERM/SIGINT: every rank agrees at the step boundary, saves, exits 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import wm
+from wm import distributed as D
+from wm.checkpoint import Checkpointer, load as load_ckpt, latest_checkpoint, rng_state, set_rng_state
+from wm.config import Config, StageConfig, from_dict, load as load_config, save as save_config, to_dict
+from wm.data import CodeWindows, OccWindows, ResumableSampler, check_against_config, make_loader, resolve_root
+from wm.errors import ConfigError, WMError
+from wm.logs import Logger, eta
+from wm.metrics import ConfusionMatrix, copy_last
+from wm.tokenizer import Tokenizer, count_parameters
+from wm.viz import bev, tile
+from wm.world import WorldModel
+
+# ---------------------------------------------------------------------------------------------
+# preemption: a signal only sets a flag; the loop acts on it at a step boundary, on every rank
+
+_STOP = {"flag": False, "count": 0}
+
+
+def _on_signal(signum, frame):
+    _STOP["flag"] = True
+    _STOP["count"] += 1
+    if _STOP["count"] >= 3:  # a user pressing Ctrl-C again and again wants out now
+        raise KeyboardInterrupt
+
+
+def install_signal_handlers() -> None:
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, _on_signal)
+
+
+# ---------------------------------------------------------------------------------------------
+# small pieces
+
+
+def amp_dtype(cfg: Config, device: torch.device) -> Optional[torch.dtype]:
+    """The autocast dtype, or None for fp32."""
+    amp = cfg.train.amp
+    if amp == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[amp]
+
+
+def autocast(device: torch.device, dtype: Optional[torch.dtype]):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def lr_factor(step: int, total: int, s: StageConfig) -> float:
+    """Linear warm-up to lr, then cosine to min_lr at `total` steps (as a multiple of lr)."""
+    if s.warmup_steps and step < s.warmup_steps:
+        return (step + 1) / s.warmup_steps
+    span = max(1, total - s.warmup_steps)
+    p = min(1.0, (step - s.warmup_steps) / span)
+    lo = s.min_lr / s.lr
+    return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * p))
+
+
+def make_optimizer(model: nn.Module, s: StageConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices and kernels only (not on norms, biases, embeddings of 1 dim)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    other = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": other, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=s.lr, betas=tuple(s.betas),
+                             fused=device.type == "cuda")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under DDP and/or torch.compile wrappers."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def seed_all(seed: int) -> None:
+    """torch, numpy's global and Python's RNGs: all of them are checkpointed, so all of them start
+    from run.seed (a fresh run's streams would otherwise differ from run to run)."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# the run folder
+
+
+class Run:
+    """Everything both stages share: config, ranks, data root and fingerprint, folder, logger."""
+
+    def __init__(self, cfg: Config, d: D.Dist, fresh: bool = False, allow_new_data: bool = False):
+        self.cfg, self.d = cfg, d
+        self.dir = Path(cfg.run.out_dir) / cfg.run.name
+        say = print if d.is_main else (lambda *a, **k: None)
+        self.say = say
+        # data: the synthetic set is generated by rank 0 first, the others then find it
+        if d.is_main or cfg.data.root:
+            self.root = resolve_root(cfg, log=say)
+        D.barrier(d)
+        if not d.is_main and not cfg.data.root:
+            self.root = resolve_root(cfg, log=say)
+        from wm.shards import load_manifest
+
+        self.manifest = load_manifest(self.root)
+        self.fingerprint = self.manifest.fingerprint
+        # a data set that does not fit the config refuses to start before the run folder is made,
+        # so the corrected command is not then refused as "another config"
+        check_against_config(self.manifest, cfg.data)
+        # the run folder: resume the same run, refuse a different one, start over only when asked
+        meta = {"data_fingerprint": self.fingerprint, "data_root": str(self.root),
+                "wm_version": wm.__version__, "torch_version": torch.__version__,
+                "git_commit": git_commit(), "world_size": d.world_size}
+        self.resuming = False
+        if d.is_main:
+            prev = self.dir / "config.json"
+            if prev.is_file() and fresh:
+                base = f"{self.dir.name}.{time.strftime('%Y%m%d-%H%M%S')}"
+                aside, n = self.dir.with_name(base), 1
+                while aside.exists():  # two --fresh in one second: never onto an older run
+                    aside, n = self.dir.with_name(f"{base}-{n}"), n + 1
+                os.replace(self.dir, aside)
+                say(f"--fresh: moved the previous run to {aside}")
+            elif prev.is_file():
+                self._check_same_run(prev, allow_new_data)
+                self.resuming = True
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                save_config(cfg, self.dir / "config.json", meta)
+            except OSError as e:
+                raise WMError(f"cannot write the run folder {self.dir} ({e}); set run.out_dir to a "
+                              "writable folder") from None
+        self.resuming = D.broadcast_object(self.resuming, d)
+        D.barrier(d)
+        self.log = Logger(self.dir, enabled=d.is_main, tensorboard=cfg.train.tensorboard)
+
+    def _check_same_run(self, prev: Path, allow_new_data: bool) -> None:
+        try:
+            old = json.loads(prev.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise WMError(f"{prev} is unreadable ({e}); use --fresh to start over") from None
+        meta = old.pop("meta", {}) or {}
+        fp = meta.get("data_fingerprint")
+        if fp and fp != self.fingerprint and not allow_new_data:
+            raise WMError(f"{self.dir} was trained on data {fp[:16]} but {self.root} is "
+                          f"{self.fingerprint[:16]}; pass --allow-new-data to resume on it anyway, or "
+                          "--fresh / another run.name to start over")
+        try:
+            old_cfg = from_dict(Config, old)
+        except ConfigError as e:
+            raise WMError(f"{prev}: {e}; use --fresh to start over") from None
+        a, b = to_dict(old_cfg), to_dict(self.cfg)
+        # a stage that has not saved anything yet may still be configured freely
+        free = {sec for stage, secs in STAGE_SECTIONS.items()
+                if not latest_checkpoint(self.dir / stage / "checkpoints") for sec in secs}
+        diffs = [f"{sec}.{k}: {a[sec][k]!r} -> {b[sec][k]!r}" for sec in a if sec not in free for k in a[sec]
+                 if a[sec][k] != b[sec][k] and k not in RESUME_MAY_CHANGE.get(sec, ())]
+        if diffs:
+            raise WMError(f"{self.dir} holds a run with another config ({'; '.join(diffs[:3])}"
+                          f"{'...' if len(diffs) > 3 else ''}); use --fresh to start over or another run.name")
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.dir / stage
+
+
+STAGE_SECTIONS = {"tokenizer": ("tokenizer", "tokenizer_stage"), "world": ("world", "world_stage")}
+
+# keys a resumed run may change without being another run (they do not change what is computed)
+RESUME_MAY_CHANGE = {
+    "data": ("num_workers", "prefetch_factor", "pin_memory", "persistent_workers", "h5_cache_mib", "root"),
+    "train": ("stages", "log_every", "ckpt_every", "keep_last", "async_ckpt", "timeout_s", "tensorboard", "images",
+              "peak_tflops", "max_nonfinite", "compile"),
+    "synthetic": ("cache_dir",),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# stages: what differs between the tokenizer and the world model
+
+
+def frames_config(cfg: Config):
+    """The data config for single frames (the tokenizer stage and the token cache)."""
+    return dataclasses.replace(cfg.data, past=1, future=0, stride=1, window_step=1, use_mask=False)
+
+
+class TokenizerStage:
+    name = "tokenizer"
+
+    def __init__(self, run: Run):
+        cfg = run.cfg
+        self.run, self.cfg, self.scfg = run, cfg, cfg.tokenizer_stage
+        fc = frames_config(cfg)
+        self.train_ds = OccWindows(run.root, cfg.data.train_split, fc)
+        self.val_ds = OccWindows(run.root, cfg.data.val_split,
+                                 dataclasses.replace(fc, max_windows=cfg.data.max_windows))
+        torch.manual_seed(cfg.run.seed)  # the initial weights follow run.seed (torch seeds randomly)
+        self.model = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
+
+    def loss(self, model: nn.Module, batch: dict) -> dict:
+        return model(batch["occ"][:, 0])
+
+    def samples(self, batch: dict) -> int:
+        return batch["occ"].shape[0]
+
+    def after_step(self, d: D.Dist) -> None:
+        """Dead-code reset: rank 0 decides from its encoder outputs, every rank gets its codebook
+        (DDP does not sync in-place parameter edits)."""
+        m = unwrap(self.model_ref)
+        if d.is_main:
+            m.reset_dead_codes()
+        if d.active:
+            torch.distributed.broadcast(m.quantizer.codebook.weight.data, 0)
+            torch.distributed.broadcast(m.quantizer.code_age, 0)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, d: D.Dist, dtype, device) -> tuple[dict, list]:
+        cfg = self.cfg
+        cm = ConfusionMatrix(cfg.data.num_classes, cfg.data.free_class, 1, device=device)
+        used = torch.zeros(unwrap(model).quantizer.size, device=device)
+        pics = []
+        for batch in eval_batches(self.val_ds, d, self.scfg.batch_size or cfg.data.batch_size, cfg):
+            occ = batch["occ"].to(device)[:, 0]
+            with autocast(device, dtype):
+                codes = model.encode(occ)
+                logits = model.decode(codes)
+            pred = logits.argmax(1)
+            cm.update(pred, occ)
+            used += torch.bincount(codes.flatten(), minlength=used.numel()).float()
+            if not pics and d.is_main and cfg.train.images:
+                pics = [("val/recon_gt_top_pred_bottom", [occ[:4].cpu().numpy(), pred[:4].cpu().numpy()])]
+        cm.reduce_(lambda t: D.all_reduce_(t, d))
+        D.all_reduce_(used, d)
+        s = cm.summary()
+        p = used / used.sum().clamp_min(1)
+        ent = -(p[p > 0] * p[p > 0].log()).sum()
+        return {"val/iou": s["iou"][0], "val/miou": s["miou"][0],
+                "val/code_usage": float((used > 0).float().mean()),
+                "val/perplexity": float(ent.exp())}, pics
+
+
+class WorldStage:
+    name = "world"
+
+    def __init__(self, run: Run, device: torch.device, dtype):
+        cfg = run.cfg
+        self.run, self.cfg, self.scfg = run, cfg, cfg.world_stage
+        tok_ckpt = tokenizer_checkpoint(run)
+        self.tok_path, self.tok_sha = tok_ckpt, sha256_file(tok_ckpt)
+        st = load_ckpt(tok_ckpt)
+        self.tokenizer = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
+        self.tokenizer.load_state_dict(st["model"])
+        self.tokenizer.eval().requires_grad_(False).to(device)
+        run.say(f"world stage: frozen tokenizer {tok_ckpt} (sha256 {self.tok_sha[:12]})")
+        self.windows = OccWindows(run.root, cfg.data.train_split, cfg.data)
+        self.val_ds = OccWindows(run.root, cfg.data.val_split, cfg.data)
+        codes = build_token_cache(run, self.tokenizer, self.tok_sha, device, dtype)
+        self.train_ds = CodeWindows(self.windows, codes)
+        torch.manual_seed(cfg.run.seed)  # here: whether the cache was built must not change them
+        self.model = WorldModel(cfg.world, cfg.tokenizer.codebook_size)
+        if cfg.world.widths[0] == cfg.tokenizer.code_dim:  # OccWorld feeds the codebook vectors
+            self.model.init_code_embedding(self.tokenizer.codebook)
+
+    def loss(self, model: nn.Module, batch: dict) -> dict:
+        # forward through the wrapper (DDP hooks it), the loss terms on the plain module
+        codes, motion = batch["codes"].long(), batch["motion"]
+        out = model(codes[:, :-1], motion[:, :-1])
+        res = unwrap(model).loss(out, codes[:, 1:], motion[:, 1:])
+        res["copy_last_acc"] = (codes[:, 1:] == codes[:, :-1]).float().mean()
+        return res
+
+    def samples(self, batch: dict) -> int:
+        return batch["codes"].shape[0]
+
+    def after_step(self, d: D.Dist) -> None:
+        pass
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, d: D.Dist, dtype, device) -> tuple[dict, list]:
+        """Roll out the future from the past frames' codes, decode, and score against the real
+        occupancy per future step; the copy-last baseline on the same windows beside it."""
+        cfg = self.cfg
+        P, S = cfg.data.past, cfg.data.future
+        m = unwrap(model)
+        ours = ConfusionMatrix(cfg.data.num_classes, cfg.data.free_class, S, device=device)
+        base = ConfusionMatrix(cfg.data.num_classes, cfg.data.free_class, S, device=device)
+        pics = []
+        for batch in eval_batches(self.val_ds, d, self.scfg.batch_size or cfg.data.batch_size, cfg):
+            occ, motion = batch["occ"].to(device), batch["motion"].to(device)
+            with autocast(device, dtype):
+                past_codes = self.tokenizer.encode(occ[:, :P])
+                given = motion[:, P:] if cfg.train.forecast_motion == "given" else None
+                codes, _ = m.rollout(past_codes, motion[:, :P], S, future_motion=given)
+                pred = self.tokenizer.decode(codes).argmax(2)  # (B, S, X, Y, Z)
+            mask = batch["mask"].to(device)[:, P:] if "mask" in batch else None
+            ours.update(pred, occ[:, P:], mask)
+            base.update(copy_last(occ[:, :P], S), occ[:, P:], mask)
+            if not pics and d.is_main and cfg.train.images:
+                pics = [("val/forecast_gt_top_pred_bottom", [occ[0, P:].cpu().numpy(), pred[0].cpu().numpy()])]
+        for cm in (ours, base):
+            cm.reduce_(lambda t: D.all_reduce_(t, d))
+        a, b = ours.summary(), base.summary()
+        out = {"val/iou": a["iou_avg"], "val/miou": a["miou_avg"],
+               "val/copy_last_iou": b["iou_avg"], "val/copy_last_miou": b["miou_avg"]}
+        for t in range(S):
+            out[f"val/iou_t{t + 1}"] = a["iou"][t]
+            out[f"val/miou_t{t + 1}"] = a["miou"][t]
+            out[f"val/copy_last_iou_t{t + 1}"] = b["iou"][t]
+            out[f"val/copy_last_miou_t{t + 1}"] = b["miou"][t]
+        return out, pics
+
+
+def eval_batches(ds, d: D.Dist, batch_size: int, cfg: Config):
+    """This rank's share of the validation windows (no padding: counts are all-reduced after)."""
+    idx = list(range(d.rank, len(ds), d.world_size))
+    loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, sampler=idx,
+                                         num_workers=min(cfg.data.num_workers, 2),
+                                         pin_memory=cfg.data.pin_memory and torch.cuda.is_available())
+    yield from loader
+
+
+def tokenizer_checkpoint(run: Run) -> Path:
+    """The tokenizer the world stage builds on: its stage's best checkpoint, else its newest."""
+    folder = run.stage_dir("tokenizer") / "checkpoints"
+    best = folder / "best.pt"
+    path = best if best.is_file() else latest_checkpoint(folder)
+    if path is None:
+        raise WMError(f"the world stage needs a trained tokenizer but {folder} holds no checkpoint; "
+                      "run the tokenizer stage first (train.stages)")
+    return path
+
+
+@torch.no_grad()
+def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> Path:
+    """Encode every training frame once into <run>/token_cache/<key>/codes.npy (int16), keyed by
+    the tokenizer checkpoint and the data fingerprint: a cache that does not match is rebuilt,
+    never silently used. Rank 0 builds; the others wait at the barrier."""
+    cfg, d = run.cfg, run.d
+    key = hashlib.sha256(json.dumps({"tokenizer": tok_sha, "data": run.fingerprint,
+                                     "split": cfg.data.train_split}, sort_keys=True).encode()).hexdigest()[:16]
+    folder = run.dir / "token_cache" / key
+    path = folder / "codes.npy"
+    if d.is_main and not path.is_file():  # the run folder is shared by all ranks
+        frames = OccWindows(run.root, cfg.data.train_split, frames_config(cfg))
+        h, w = tok.token_shape
+        for stale in folder.parent.glob(".*.tmp-*") if folder.parent.is_dir() else []:
+            shutil.rmtree(stale, ignore_errors=True)  # left by a killed build
+        tmp = folder.with_name(f".{key}.tmp-{os.getpid()}")
+        tmp.mkdir(parents=True)
+        out = np.lib.format.open_memmap(tmp / "codes.npy", mode="w+", dtype=np.int16,
+                                        shape=(frames.num_frames, h, w))
+        # frames in shard order: the OccWindows index of single frames is exactly frame_base order
+        loader = torch.utils.data.DataLoader(frames, batch_size=max(8, cfg.data.batch_size), shuffle=False,
+                                             num_workers=cfg.data.num_workers)
+        t0, done = time.time(), 0
+        for batch in loader:
+            occ = batch["occ"].to(device)[:, 0]
+            with autocast(device, dtype):
+                codes = tok.encode(occ)
+            out[done:done + len(occ)] = codes.to(torch.int16).cpu().numpy()
+            done += len(occ)
+            if d.is_main:
+                print(f"\rtoken cache: {done}/{frames.num_frames} frames encoded "
+                      f"({done / max(1e-9, time.time() - t0):.0f} frames/s)", end="", flush=True)
+        if d.is_main:
+            print()
+        out.flush()
+        del out
+        (tmp / "meta.json").write_text(json.dumps({"tokenizer_sha256": tok_sha, "data_fingerprint": run.fingerprint,
+                                                   "split": cfg.data.train_split, "frames": frames.num_frames}))
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+        run.say(f"token cache written: {path}")
+    D.barrier(d)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+
+
+def fit(run: Run, stage, device: torch.device, dtype) -> dict:
+    """Train one stage to its end (or to preemption / early stop). Returns its last validation."""
+    cfg, d, s, log = run.cfg, run.d, stage.scfg, run.log
+    sdir = run.stage_dir(stage.name)
+    done_file = sdir / "done.json"
+    if done_file.is_file():
+        res = json.loads(done_file.read_text())
+        run.say(f"{stage.name} stage already finished at step {res['step']}; using it")
+        return res.get("metrics", {})
+
+    model = stage.model.to(device)
+    batch = s.batch_size or cfg.data.batch_size
+    opt = make_optimizer(model, s, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    sampler = ResumableSampler(len(stage.train_ds), d.world_size, d.rank, seed=cfg.run.seed, drop_last=True)
+    loader = make_loader(stage.train_ds, sampler, cfg.data, drop_last=True, batch_size=batch)
+    per_rank_batches = len(stage.train_ds) // d.world_size // batch
+    if per_rank_batches < s.grad_accum:
+        raise WMError(f"{stage.name} stage: {len(stage.train_ds)} training samples give {per_rank_batches} "
+                      f"batches of {batch} per rank, fewer than grad_accum={s.grad_accum}; use a smaller "
+                      f"{stage.name}_stage.batch_size or more data")
+    steps_per_epoch = per_rank_batches // s.grad_accum
+    total = s.max_steps or s.epochs * steps_per_epoch
+    eval_every = s.eval_every or steps_per_epoch
+    ckpt = Checkpointer(sdir / "checkpoints", cfg.train.keep_last, s.best_metric, s.best_mode,
+                        cfg.train.async_ckpt) if d.is_main else None
+
+    # resume: every rank loads the same file (the run folder is on a shared filesystem)
+    step, best, stale, last_val = 0, None, 0, {}
+    path = D.broadcast_object(str(ckpt.latest()) if ckpt and ckpt.latest() else None, d)
+    if path:
+        st = load_ckpt(path)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        scaler.load_state_dict(st["scaler"])
+        sampler.load_state_dict(st["sampler"])
+        step, best, stale, last_val = st["step"], st.get("best"), st.get("stale", 0), st.get("metrics", {})
+        rngs = st["rng"]
+        if len(rngs) == d.world_size:
+            set_rng_state(rngs[d.rank])
+        else:
+            seed_all(cfg.run.seed * 1000 + d.rank + step)
+            run.say(f"note: resumed on {d.world_size} ranks from {len(rngs)}; RNG streams re-seeded")
+        run.say(f"{stage.name}: resumed from {path} at step {step}/{total} (epoch {sampler.epoch})")
+    else:
+        seed_all(cfg.run.seed * 1000 + d.rank)
+        run.say(f"{stage.name}: {count_parameters(model) / 1e6:.2f} M parameters, {len(stage.train_ds)} "
+                f"training samples, {total} steps of {batch * d.world_size * s.grad_accum} samples")
+
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
+        if d.active else model
+    fwd = torch.compile(ddp) if cfg.train.compile else ddp
+    stage.model_ref = model
+
+    def save(metrics: Optional[dict] = None) -> None:
+        rng = D.gather_objects(rng_state(), d)  # every rank reaches this collective
+        if ckpt is None:
+            return
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": scaler.state_dict(),
+                 "sampler": sampler.state_dict(), "step": step, "epoch": sampler.epoch, "rng": rng,
+                 "best": best, "stale": stale, "metrics": metrics or last_val, "stage": stage.name,
+                 "config": to_dict(cfg), "data_fingerprint": run.fingerprint}
+        if stage.name == "world":
+            state["tokenizer"] = {"path": str(stage.tok_path), "sha256": stage.tok_sha}
+        ckpt.save(state, step, metrics)
+
+    def new_iter():
+        # a DataLoader iterator draws its workers' base seed from the global torch RNG; that draw
+        # must not shift the training RNG stream, or a resumed run (one more iterator, made at a
+        # point the uninterrupted run made none) would diverge from an uninterrupted one
+        with torch.random.fork_rng(devices=[]):
+            return iter(loader)
+
+    it = new_iter()
+
+    def next_batch():
+        nonlocal it
+        while True:
+            try:
+                return next(it)
+            except StopIteration:
+                if sampler.consumed:  # the loader's drop_last left a tail: that epoch is over
+                    sampler.set_epoch(sampler.epoch + 1)
+                it = new_iter()
+
+    nonfinite, t_last, samples_since, wait_since = 0, time.perf_counter(), 0, 0.0
+    t_start, step_start, flops_per_sample = time.perf_counter(), step, None
+    stop_reason = None
+    model.train()
+    while step < total:
+        # ---- one optimizer step: grad_accum micro-batches, gradients synced on the last only
+        for g in opt.param_groups:
+            g["lr"] = s.lr * lr_factor(step, total, s)
+        terms: dict[str, torch.Tensor] = {}
+        for micro in range(s.grad_accum):
+            t0 = time.perf_counter()
+            b = to_device(next_batch(), device)
+            wait_since += time.perf_counter() - t0
+            sync = micro == s.grad_accum - 1
+            with (ddp.no_sync() if d.active and not sync else contextlib.nullcontext()):
+                with autocast(device, dtype):
+                    out = stage.loss(fwd, b)
+                scaler.scale(out["loss"] / s.grad_accum).backward()
+            for k, v in out.items():  # kept on the device: no host sync per micro-step
+                if v.ndim == 0:
+                    terms[k] = terms.get(k, 0) + v.detach().float() / s.grad_accum
+            sampler.advance(batch * d.world_size)
+            samples_since += stage.samples(b) * d.world_size
+        scaler.unscale_(opt)
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip if s.clip > 0 else float("inf"))
+        # one collective and one host sync per step: [non-finite here, a stop signal here]
+        flags = torch.stack([(~torch.isfinite(terms["loss"]) | ~torch.isfinite(gnorm)).float(),
+                             torch.tensor(float(_STOP["flag"]), device=device)])
+        bad, preempt = (bool(x) for x in D.all_reduce_(flags, d, op="max").tolist())
+        if bad and dtype != torch.float16:  # fp16: GradScaler skips inf steps and lowers its scale
+            opt.zero_grad(set_to_none=True)
+            nonfinite += 1
+            # numbered like every other record of this step (the counter moves on below)
+            log.scalars(step + 1, {"train/nonfinite_steps": nonfinite}, kind=f"{stage.name}/skip")
+            run.say(f"{stage.name} step {step + 1}: non-finite loss or gradient, step skipped ({nonfinite} in a row)")
+            if nonfinite >= cfg.train.max_nonfinite:
+                if ckpt:
+                    ckpt.close()  # first: the save in flight is part of what is on disk
+                last = ckpt.latest() if ckpt else None
+                raise WMError(f"{stage.name}: {nonfinite} non-finite steps in a row at step {step + 1}; stopped. "
+                              f"The last good checkpoint is {last or 'on rank 0'}; lower "
+                              f"{stage.name}_stage.lr, check the data, or try train.amp=fp32")
+        else:
+            nonfinite = 0
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            stage.after_step(d)
+        step += 1
+
+        # ---- logging
+        if step % cfg.train.log_every == 0 or step == total:
+            dt = time.perf_counter() - t_last
+            vals = D.mean_scalars({k: float(v) for k, v in terms.items()}, d)
+            rec = {f"loss/{k}" if k in ("loss", "ce", "lovasz", "vq", "motion_l2") else f"train/{k}": v
+                   for k, v in vals.items()}
+            rec.update({"train/lr": opt.param_groups[0]["lr"], "train/grad_norm": float(gnorm),
+                        "perf/samples_per_s": samples_since / dt, "perf/data_wait_frac": wait_since / dt,
+                        "perf/device_hours": (time.perf_counter() - t_start) * d.world_size / 3600,
+                        "train/epoch": sampler.epoch})
+            if device.type == "cuda":
+                rec["mem/max_alloc_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            if flops_per_sample:
+                achieved = flops_per_sample * samples_since / dt  # all ranks together
+                rec["perf/tflops_per_s"] = achieved / 1e12
+                if cfg.train.peak_tflops > 0:
+                    rec["perf/mfu"] = achieved / (cfg.train.peak_tflops * 1e12 * d.world_size)
+            if ckpt is not None and ckpt.last_blocked_s:
+                rec["perf/ckpt_blocked_s"] = ckpt.last_blocked_s
+            log.scalars(step, rec, kind=f"{stage.name}/train")
+            rate = (step - step_start) / max(1e-9, time.perf_counter() - t_start)
+            log.console(f"{stage.name} step {step}/{total} loss {vals['loss']:.4f} "
+                        f"lr {rec['train/lr']:.2e} {rec['perf/samples_per_s']:.1f} samples/s "
+                        f"data wait {100 * rec['perf/data_wait_frac']:.0f}% ETA {eta((total - step) / max(rate, 1e-9))}")
+            t_last, samples_since, wait_since = time.perf_counter(), 0, 0.0
+
+        # ---- validation, best checkpoint, early stop
+        evaluated = False
+        if step % eval_every == 0 or step == total:
+            model.eval()
+            last_val, pics = stage.evaluate(model, d, dtype, device)
+            model.train()
+            evaluated = True
+            log.scalars(step, last_val, kind=f"{stage.name}/val")
+            for tag, frames in pics:
+                top = tile([bev(f, cfg.data.num_classes, cfg.data.free_class) for f in frames[0]])
+                bot = tile([bev(f, cfg.data.num_classes, cfg.data.free_class) for f in frames[1]])
+                gap = np.full((2, top.shape[1], 3), 128, np.uint8)
+                log.image(tag, step, np.concatenate([top, gap, bot]))
+            v = last_val.get(s.best_metric)
+            if v is None:
+                raise WMError(f"{stage.name}_stage.best_metric {s.best_metric!r} is not a validation "
+                              f"metric; choose one of {sorted(last_val)}")
+            better = best is None or (v > best if s.best_mode == "max" else v < best)
+            best, stale = (v, 0) if better else (best, stale + 1)
+            log.console(f"{stage.name} step {step} validation: " + ", ".join(
+                f"{k[4:]} {last_val[k]:.2f}" for k in sorted(last_val) if "_t" not in k))
+            if s.early_stop and stale >= s.early_stop:
+                stop_reason = f"early stop: {s.best_metric} did not improve for {stale} validations"
+
+        # ---- checkpoint, preemption
+        if preempt and not stop_reason:
+            stop_reason = "preempted (SIGTERM/SIGINT)"
+        if evaluated or step % cfg.train.ckpt_every == 0 or step == total or stop_reason:
+            save(last_val if evaluated else None)
+        if flops_per_sample is None:  # once per process, after the first step
+            flops_per_sample = count_flops(stage, model, b, device, dtype) \
+                if cfg.train.peak_tflops > 0 or device.type == "cuda" else 0.0
+        if stop_reason:
+            break
+
+    if ckpt:
+        ckpt.close()
+    D.barrier(d)
+    log.flush()
+    if stop_reason and stop_reason.startswith("preempted"):
+        run.say(f"{stage.name}: {stop_reason}; saved step {step}. Run the same command to resume.")
+        raise Preempted()
+    if d.is_main:
+        (sdir / "done.json").write_text(json.dumps({"step": step, "metrics": last_val,
+                                                    "reason": stop_reason or "finished"}, indent=1))
+    D.barrier(d)
+    if stop_reason:
+        run.say(f"{stage.name}: {stop_reason}")
+    return last_val
+
+
+class Preempted(Exception):
+    pass
+
+
+def count_flops(stage, model, batch, device, dtype) -> float:
+    """FLOPs of one training sample's forward + backward (torch.utils.flop_counter), for MFU."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    model.eval()  # training-mode forwards update state (codebook ages): leave no trace
+    try:
+        with counter:
+            with autocast(device, dtype):
+                out = stage.loss(model, batch)
+            out["loss"].backward()
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train()
+    return counter.get_total_flops() / stage.samples(batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# entry point
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="train.py", description="Train an occupancy world model (wm).")
+    ap.add_argument("--cfg", help="config JSON (default: the built-in demo)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key, e.g. --set train.amp=fp16 (repeatable)")
+    ap.add_argument("--fresh", action="store_true", help="start over: move the existing run folder aside")
+    ap.add_argument("--allow-new-data", action="store_true",
+                    help="resume even though the data set's fingerprint changed")
+    return ap.parse_args(argv)
+
+
+def final_table(cfg: Config, results: dict) -> str:
+    lines = []
+    if "tokenizer" in results:
+        r = results["tokenizer"]
+        lines.append(f"tokenizer reconstruction (val): IoU {r.get('val/iou', float('nan')):.2f}  "
+                     f"mIoU {r.get('val/miou', float('nan')):.2f}  codes used {100 * r.get('val/code_usage', 0):.0f}%")
+    if "world" in results:
+        r = results["world"]
+        S = cfg.data.future
+        lines.append(f"world-model forecast (val, {cfg.train.forecast_motion} ego motion), IoU / mIoU per future step:")
+        lines.append(f"{'step':<10}" + "".join(f"{'t+' + str(t + 1):>14}" for t in range(S)) + f"{'avg':>14}")
+        for name, pre in (("forecast", "val/"), ("copy-last", "val/copy_last_")):
+            cells = "".join(f"{r.get(f'{pre}iou_t{t + 1}', float('nan')):>7.2f}/{r.get(f'{pre}miou_t{t + 1}', float('nan')):<6.2f}"
+                            for t in range(S))
+            lines.append(f"{name:<10}{cells}{r.get(pre + 'iou', float('nan')):>7.2f}/{r.get(pre + 'miou', float('nan')):<6.2f}")
+    return "\n".join(lines)
+
+
+def _collective_failure(e: BaseException) -> bool:
+    if isinstance(e, torch.distributed.DistError):
+        return True
+    text = str(e).lower()
+    return any(w in text for w in ("gloo", "nccl", "timed out", "connection closed", "connection reset",
+                                   "broken pipe", "watchdog"))
+
+
+def make_summary(cfg: Config, results: dict) -> dict:
+    """The figures of the final table, for scripts: summary.json in the run folder."""
+    out: dict[str, Any] = {}
+    if "tokenizer" in results:
+        r = results["tokenizer"]
+        out["tokenizer"] = {"recon_iou": r.get("val/iou"), "recon_miou": r.get("val/miou"),
+                            "code_usage": r.get("val/code_usage")}
+    if "world" in results:
+        r, S = results["world"], cfg.data.future
+        out["world"] = {"forecast_motion": cfg.train.forecast_motion,
+                        "steps": [f"t+{t + 1}" for t in range(S)],
+                        "iou": [r.get(f"val/iou_t{t + 1}") for t in range(S)],
+                        "miou": [r.get(f"val/miou_t{t + 1}") for t in range(S)],
+                        "copy_last_iou": [r.get(f"val/copy_last_iou_t{t + 1}") for t in range(S)],
+                        "copy_last_miou": [r.get(f"val/copy_last_miou_t{t + 1}") for t in range(S)],
+                        "iou_avg": r.get("val/iou"), "miou_avg": r.get("val/miou"),
+                        "copy_last_iou_avg": r.get("val/copy_last_iou"),
+                        "copy_last_miou_avg": r.get("val/copy_last_miou")}
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg = load_config(args.cfg, args.set)
+    install_signal_handlers()
+    d = D.init(cfg.train.device, cfg.train.timeout_s)
+    broken = False
+    try:
+        device = d.device
+        dtype = amp_dtype(cfg, device)
+        if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise WMError("train.amp is bf16 but this GPU has no bf16; use --set train.amp=fp16")
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        run = Run(cfg, d, fresh=args.fresh, allow_new_data=args.allow_new_data)
+        if run.resuming:
+            run.say(f"resuming run {run.dir}")
+        t0 = time.time()
+        results = {}
+        try:
+            for name in cfg.train.stages:
+                stage = TokenizerStage(run) if name == "tokenizer" else WorldStage(run, device, dtype)
+                results[name] = fit(run, stage, device, dtype)
+            # DESIGN §5: hparams with the final metrics (rank 0's logger only; a failure warns)
+            run.log.hparams({f"{sec}.{k}": v for sec, kv in to_dict(cfg).items() for k, v in kv.items()},
+                            {f"{n}/{k}": v for n, r in results.items() for k, v in r.items()})
+        except Preempted:
+            return 0
+        except (torch.distributed.DistError, RuntimeError) as e:
+            if not d.active or not _collective_failure(e):
+                raise
+            broken = True  # destroying a group whose peer is gone can block: leave it to exit
+            raise WMError(f"rank {d.rank}: a collective failed ({str(e).strip().splitlines()[0][:200]}); "
+                          "another rank died or hung (see its log). Checkpoints are intact: rerun the "
+                          "same command to resume") from None
+        finally:
+            run.log.close()
+        if d.is_main:
+            table = final_table(cfg, results)
+            minutes = (time.time() - t0) / 60
+            print(f"\nrun {run.dir} finished in {minutes:.1f} min\n{table}")
+            summary = make_summary(cfg, results)
+            summary["minutes"] = round(minutes, 2)
+            (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return 0
+    finally:
+        if not broken:
+            D.close(d)
