@@ -1,0 +1,97 @@
+"""Export a trained world-model run to ONNX (FP32, optionally FP16), checked against PyTorch.
+
+    python export.py                              # newest world-model run under runs/, its best checkpoint
+    python export.py --run runs/demo --fp16
+    python export.py --run runs/demo --ckpt runs/demo/world/checkpoints/step_000000450.pt
+
+Writes into <run>/export/: forecaster.onnx, tokenizer_encode.onnx, tokenizer_decode.onnx (and
+*.fp16.onnx with --fp16), and export.json with what was compared: onnxruntime against PyTorch at
+batch 1 and 2, class agreement and max logit difference.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from wm.errors import WMError, run_cli
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", help="run folder (default: the newest world-model run under --runs)")
+    ap.add_argument("--runs", default="runs", help="where to look for runs")
+    ap.add_argument("--ckpt", help="world-model checkpoint (default: the run's best)")
+    ap.add_argument("--out", help="output folder (default: <run>/export)")
+    ap.add_argument("--fp16", action="store_true", help="also write FP16 graphs (inputs/outputs keep their types)")
+    ap.add_argument("--max-batch", type=int, default=64, help="largest batch the graphs accept")
+    a = ap.parse_args(argv)
+
+    import torch
+
+    from wm.export.onnx import compare, example_inputs, export_graph, find_run, graphs, load_trained
+
+    torch.set_grad_enabled(False)
+    run = Path(a.run) if a.run else find_run(a.runs)
+    t = load_trained(run, a.ckpt)
+    out = Path(a.out) if a.out else run / "export"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise WMError(f"cannot write the export folder {out} ({e}); choose another with --out") from None
+    print(f"exporting {t.ckpt} (tokenizer {t.tokenizer_ckpt}) to {out}")
+    report = {"checkpoint": str(t.ckpt), "tokenizer_checkpoint": str(t.tokenizer_ckpt),
+              "data_fingerprint": t.data_fingerprint, "graphs": {}}
+    ex = {b: example_inputs(t, b, seed=b) for b in (1, 2)}
+    for name, (module, outputs) in graphs(t).items():
+        path = out / f"{name}.onnx"
+        # example batch 2: torch.export specialises a dimension whose example size is 1
+        secs = export_graph(module, ex[2][name], outputs, path, a.max_batch)
+        r = {"file": path.name, "bytes": path.stat().st_size, "export_s": round(secs, 1),
+             "inputs": {k: [str(v.dtype).replace("torch.", ""), ["batch", *v.shape[1:]]] for k, v in ex[1][name].items()},
+             "vs_pytorch": {f"batch{b}": compare(module, path, ex[b][name]) for b in (1, 2)}}
+        if a.fp16:
+            r["fp16"] = to_fp16(path, out / f"{name}.fp16.onnx", module, ex)
+        report["graphs"][name] = r
+        line = "  ".join(f"batch {b}: agree {v['class_agreement']:.4f}" +
+                         (f" max|diff| {v['max_abs_diff']:.2e}" if v["max_abs_diff"] is not None else "")
+                         for b, v in ((k[-1], v) for k, v in r["vs_pytorch"].items()))
+        print(f"{name:<18}{path.stat().st_size / 2**20:7.1f} MiB  {secs:6.1f} s   {line}")
+        if "fp16" in r:
+            f = r["fp16"]["vs_pytorch"]
+            print(f"{name + '.fp16':<18}{r['fp16']['bytes'] / 2**20:7.1f} MiB            " + "  ".join(
+                f"batch {k[-1]}: agree {v['class_agreement']:.4f}" for k, v in f.items()))
+    tmp = out / f".export.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(report, indent=1))
+    os.replace(tmp, out / "export.json")
+    print(f"wrote {out / 'export.json'}")
+    return 0
+
+
+def to_fp16(src: Path, dst: Path, module, ex) -> dict:
+    """FP16 copy of a graph through onnxruntime's converter, inputs and outputs in their own types."""
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    from wm.export.onnx import compare
+
+    m = OnnxModel(convert_float_to_float16(onnx.load(str(src)), keep_io_types=True))
+    m.topological_sort()  # the converter appends the casts it adds around kept-float ops at the end
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    onnx.save(m.model, str(tmp))
+    onnx.checker.check_model(str(tmp))
+    os.replace(tmp, dst)
+    name = src.stem
+    return {"file": dst.name, "bytes": dst.stat().st_size,
+            "vs_pytorch": {f"batch{b}": compare(module, dst, ex[b][name]) for b in (1, 2)}}
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    run_cli(main)

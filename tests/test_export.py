@@ -1,0 +1,113 @@
+"""ONNX export of a trained run (export.py, wm/export/onnx.py): parity with PyTorch and bad input."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+
+import wm.train as T
+from wm.export.onnx import ExportError, load_trained
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_factory):
+    """A tiny run with both stages (2 steps each)."""
+    import signal
+
+    t = tiny_factory()
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert T.main(t.args(train__stages="tokenizer,world", tokenizer_stage__max_steps=2,
+                             world_stage__max_steps=2)) == 0
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+        T._STOP.update(flag=False, count=0)
+    return t
+
+
+def export(*args):
+    return subprocess.run([sys.executable, "export.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_export_matches_pytorch_at_batch_1_and_2(trained, tmp_path):
+    run = trained.run_dir()
+    p = export("--run", str(run), "--out", str(tmp_path), "--fp16")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = json.loads((tmp_path / "export.json").read_text())
+    assert set(rep["graphs"]) == {"forecaster", "tokenizer_encode", "tokenizer_decode"}
+    for name, g in rep["graphs"].items():
+        for b in ("batch1", "batch2"):  # dynamic batch: the same graph runs both
+            assert g["vs_pytorch"][b]["class_agreement"] == 1.0, (name, b, g)
+        onnx.checker.check_model(str(tmp_path / g["file"]), full_check=True)
+        assert (tmp_path / g["fp16"]["file"]).is_file() and g["fp16"]["vs_pytorch"]["batch2"]["class_agreement"] > 0.9
+    assert rep["graphs"]["tokenizer_decode"]["vs_pytorch"]["batch2"]["max_abs_diff"] < 1e-3
+    # the forecaster's interface: uint8 occupancy in and out, the horizon of the config
+    m = onnx.load(str(tmp_path / "forecaster.onnx"), load_external_data=False)
+    ins = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in m.graph.input}
+    outs = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in m.graph.output}
+    assert ins["past_occ"][1:] == [2, 16, 16, 4] and isinstance(ins["past_occ"][0], str)
+    assert "future_motion" in ins and ins["future_motion"][1:] == [2, 3]
+    assert outs["future_occ"][1:] == [2, 16, 16, 4]
+    assert m.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.UINT8
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_default_run_is_the_newest_world_run(trained, tmp_path):
+    from wm.export.onnx import find_run
+
+    assert find_run(trained.run_dir().parent) == trained.run_dir()
+    with pytest.raises(ExportError, match="no world-model run under"):
+        find_run(tmp_path)
+
+
+def one_line_error(p):
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert lines[-1].startswith("error:") and "Traceback" not in p.stderr, p.stderr
+    return lines[-1]
+
+
+def test_bad_input_is_one_line_and_writes_nothing(trained, tmp_path):
+    run = trained.run_dir()
+    assert "does not exist" in one_line_error(export("--run", str(tmp_path / "nope")))
+    # a run with the tokenizer stage only
+    tok_only = tmp_path / "tok_only"
+    shutil.copytree(run, tok_only)
+    shutil.rmtree(tok_only / "world")
+    assert "only the tokenizer stage" in one_line_error(export("--run", str(tok_only), "--out", str(tmp_path / "o1")))
+    # a truncated checkpoint
+    ck = tmp_path / "cut.pt"
+    data = (run / "world" / "checkpoints" / "best.pt").read_bytes()
+    ck.write_bytes(data[: len(data) // 2])
+    msg = one_line_error(export("--run", str(run), "--ckpt", str(ck), "--out", str(tmp_path / "o2")))
+    assert "cut.pt" in msg
+    # a tokenizer-stage checkpoint given as --ckpt
+    tck = next((run / "tokenizer" / "checkpoints").glob("step_*.pt"))
+    assert "tokenizer-stage checkpoint" in one_line_error(export("--run", str(run), "--ckpt", str(tck)))
+    # an output folder that cannot be written (a file is in the way)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert "cannot write the export folder" in one_line_error(export("--run", str(run), "--out", str(blocker / "sub")))
+    for d in ("o1", "o2"):
+        assert not (tmp_path / d).exists() or not list((tmp_path / d).glob("*.onnx"))
+
+
+def test_checkpoint_whose_config_does_not_fit_its_weights(trained, tmp_path):
+    import torch
+
+    from wm.checkpoint import load
+
+    st = load(trained.run_dir() / "world" / "checkpoints" / "best.pt")
+    st["config"]["world"]["widths"] = [16, 32]
+    bad = tmp_path / "mismatch.pt"
+    torch.save(st, bad)
+    with pytest.raises(ExportError, match="do not fit the model its config describes"):
+        load_trained(trained.run_dir(), bad)
