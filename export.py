@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from wm.atomic import tmp_path, write_bytes
 from wm.errors import WMError, run_cli
 
 
@@ -66,9 +67,7 @@ def main(argv=None) -> int:
             f = r["fp16"]["vs_pytorch"]
             print(f"{name + '.fp16':<18}{r['fp16']['bytes'] / 2**20:7.1f} MiB            " + "  ".join(
                 f"batch {k[-1]}: agree {v['class_agreement']:.4f}" for k, v in f.items()))
-    tmp = out / f".export.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(report, indent=1))
-    os.replace(tmp, out / "export.json")
+    write_bytes(out / "export.json", json.dumps(report, indent=1))
     print(f"wrote {out / 'export.json'}")
     return 0
 
@@ -83,10 +82,13 @@ def to_fp16(src: Path, dst: Path, module, ex) -> dict:
 
     m = OnnxModel(convert_float_to_float16(onnx.load(str(src)), keep_io_types=True))
     m.topological_sort()  # the converter appends the casts it adds around kept-float ops at the end
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
-    onnx.save(m.model, str(tmp))
-    onnx.checker.check_model(str(tmp))
-    os.replace(tmp, dst)
+    tmp = tmp_path(dst)
+    try:
+        onnx.save(m.model, str(tmp))
+        onnx.checker.check_model(str(tmp))
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
     name = src.stem
     return {"file": dst.name, "bytes": dst.stat().st_size,
             "vs_pytorch": {f"batch{b}": compare(module, dst, ex[b][name]) for b in (1, 2)}}

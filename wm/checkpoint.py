@@ -46,6 +46,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from wm.atomic import fsync_dir, tmp_path
 from wm.errors import ConfigError, WMError
 
 __all__ = [
@@ -93,24 +94,7 @@ def _step_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _tmp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError as e:
-        if e.errno in (errno.EACCES, errno.EPERM):  # write-only folder: nothing more we can do
-            return
-        raise
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno != errno.EINVAL:  # file systems that cannot fsync a folder
-            raise
-    finally:
-        os.close(fd)
+_tmp_path, _fsync_dir = tmp_path, fsync_dir  # the shared helpers (wm/atomic.py)
 
 
 def _unlink_quiet(path: Path) -> None:

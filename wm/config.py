@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from wm.atomic import write_bytes
 from wm.errors import ConfigError
 from wm.tokenizer import TokenizerConfig
 from wm.world import WorldConfig
@@ -442,7 +443,4 @@ def save(cfg, path: str | os.PathLike, meta: Optional[dict] = None) -> None:
     d = to_dict(cfg)
     if meta:
         d[META_KEY] = meta
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(d, indent=2) + "\n")
-    os.replace(tmp, p)
+    write_bytes(path, json.dumps(d, indent=2) + "\n")

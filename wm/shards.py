@@ -30,6 +30,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from wm.atomic import fsync_dir, tmp_path, write_bytes
 from wm.errors import DataError
 
 FORMAT, VERSION = "wm-occ", 1
@@ -205,7 +206,7 @@ class ShardWriter:
         self.path, self.kind, self.info, self.compression = Path(path), kind, info, compression
         if self.path.exists() and not overwrite:
             raise DataError(f"{self.path} already exists; choose another folder or remove it first")
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self.tmp = tmp_path(self.path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -290,7 +291,7 @@ class ShardWriter:
             _remove(self.path)
         os.replace(self.tmp, self.path)
         self.closed = True
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         return {"path": self.path.name, "kind": self.kind, "scenes": len(self.names),
                 "frames": self.n, "bytes": _size(self.path), "sha256": shard_sha256(self.path)}
 
@@ -329,14 +330,6 @@ def _remove(p: Path) -> None:
         shutil.rmtree(p)
     elif p.exists() or p.is_symlink():
         p.unlink()
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _size(p: Path) -> int:
@@ -388,14 +381,7 @@ class Manifest:
 
     def write(self) -> None:
         """Atomically (re)write manifest.json."""
-        p = self.root / MANIFEST
-        tmp = self.root / f".{MANIFEST}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
-            f.write("\n")
-            _flush(f)
-        os.replace(tmp, p)
-        _fsync_dir(self.root)
+        write_bytes(self.root / MANIFEST, json.dumps(self.to_json(), indent=1) + "\n")
 
 
 def load_manifest(root: str | os.PathLike) -> Manifest:

@@ -71,6 +71,7 @@ from pathlib import Path
 
 import numpy as np
 
+from wm.atomic import write_bytes
 from wm.errors import WMError
 
 __all__ = [
@@ -378,20 +379,6 @@ def hex_to_scale(h: str) -> float:
     return struct.unpack(">f", int(h, 16).to_bytes(4, "big"))[0]
 
 
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-    finally:
-        os.close(fd)
-
-
 def write_cache(path, scales: Mapping[str, float], version: int) -> None:
     """Write a TensorRT calibration cache: ``TRT-<version>-EntropyCalibration2`` then one
     ``name: <hex>`` line per tensor in `scales` order; `version` is NV_TENSORRT_VERSION as an
@@ -414,20 +401,7 @@ def write_cache(path, scales: Mapping[str, float], version: int) -> None:
         lines.append(f"{name}: {scale_to_hex(float(s32))}")
     data = ("\n".join(lines) + "\n").encode("utf-8")
 
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(path.parent)
+    write_bytes(path, data)
 
 
 def read_cache(path) -> tuple[str, dict[str, float]]:

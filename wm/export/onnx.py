@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from wm.atomic import tmp_path
 from wm.checkpoint import CheckpointError, latest_checkpoint, load
 from wm.config import Config, from_dict
 from wm.errors import ConfigError, WMError
@@ -181,7 +182,7 @@ def export_graph(module: nn.Module, inputs: dict[str, torch.Tensor], outputs: li
     import onnx
 
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = tmp_path(path)
     batch = torch.export.Dim("batch", min=1, max=max_batch)
     t0 = time.perf_counter()
     sink = io.StringIO()

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from wm.atomic import write_bytes
 from wm.errors import WMError
 
 __all__ = [
@@ -251,29 +252,10 @@ def _write_atomic(path: Path, data) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise TrtError(f"cannot create the folder for the engine {path}: {e.strerror or e}") from None
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    view = memoryview(data)
     try:
-        with open(tmp, "wb") as f:
-            f.write(view)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        return write_bytes(path, data)
     except OSError as e:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
         raise TrtError(f"cannot write the engine {path}: {e.strerror or e}") from None
-    try:  # make the rename itself durable; some file systems cannot fsync a folder
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-    return view.nbytes
 
 
 def build_engine(onnx_path, engine_path, *, min_batch: int, opt_batch: int, max_batch: int,

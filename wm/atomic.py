@@ -1,0 +1,61 @@
+"""Durable, atomic file replacement: the one way wm puts a file under its final name.
+
+Write to `.<name>.tmp-<pid>` in the same folder, flush, fsync, `os.replace` onto the name, then
+fsync the folder so the rename itself survives a power cut. A reader therefore sees the old file
+or the complete new one, never a half-written one; a failure removes the temporary and leaves the
+old file as it was. Streaming writers (shards, checkpoints) use `tmp_path` / `fsync_dir` directly.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+
+def tmp_path(path: str | os.PathLike) -> Path:
+    """The temporary name beside `path` (hidden, per process, never mistaken for the real file)."""
+    p = Path(path)
+    return p.with_name(f".{p.name}.tmp-{os.getpid()}")
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Make the folder's entries (a rename) durable. File systems that cannot fsync a folder
+    (EINVAL) and write-only folders (EACCES/EPERM) are let be; other errors propagate."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EPERM):
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes | bytearray | memoryview | str) -> int:
+    """Atomically replace `path` with `data` (str is written as UTF-8). Returns the byte count;
+    raises OSError with the temporary removed and `path` untouched."""
+    path = Path(path)
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    view = memoryview(data)
+    tmp = tmp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(view)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(path.parent)
+    return view.nbytes
