@@ -267,10 +267,10 @@ class TokenizerStage:
     def samples(self, batch: dict) -> int:
         return batch["occ"].shape[0]
 
-    def after_step(self, d: D.Dist) -> None:
+    def after_step(self, model: nn.Module, d: D.Dist) -> None:
         """Dead-code reset: rank 0 decides from its encoder outputs, every rank gets its codebook
         (DDP does not sync in-place parameter edits)."""
-        m = unwrap(self.model_ref)
+        m = unwrap(model)
         if d.is_main:
             m.reset_dead_codes()
         if d.active:
@@ -336,7 +336,7 @@ class WorldStage:
     def samples(self, batch: dict) -> int:
         return batch["codes"].shape[0]
 
-    def after_step(self, d: D.Dist) -> None:
+    def after_step(self, model: nn.Module, d: D.Dist) -> None:
         pass
 
     @torch.no_grad()
@@ -496,7 +496,6 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
         if d.active else model
     fwd = torch.compile(ddp) if cfg.train.compile else ddp
-    stage.model_ref = model
 
     def save(metrics: Optional[dict] = None) -> None:
         rng = D.gather_objects(rng_state(), d)  # every rank reaches this collective
@@ -576,7 +575,7 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
             scaler.step(opt)
             scaler.update()
             opt.zero_grad(set_to_none=True)
-            stage.after_step(d)
+            stage.after_step(model, d)
         step += 1
 
         # ---- logging
