@@ -5,7 +5,9 @@
     python export.py --run runs/demo --ckpt runs/demo/world/checkpoints/step_000000450.pt
 
 Writes into <run>/export/: forecaster.onnx, tokenizer_encode.onnx, tokenizer_decode.onnx (and
-*.fp16.onnx with --fp16), and export.json with what was compared: onnxruntime against PyTorch at
+*.fp16.onnx with --fp16; with --int8 *.int8.onnx Q/DQ graphs calibrated by TensorRT's entropy
+method, *.calib.cache TensorRT calibration caches and report.json: IoU/mIoU per future step of
+PyTorch, ONNX FP32/FP16/INT8 and copy-last on held-out windows, with onnxruntime latency), and export.json with what was compared: onnxruntime against PyTorch at
 batch 1 and 2, class agreement and max logit difference.
 """
 
@@ -28,6 +30,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="output folder (default: <run>/export)")
     ap.add_argument("--fp16", action="store_true", help="also write FP16 graphs (inputs/outputs keep their types)")
     ap.add_argument("--max-batch", type=int, default=64, help="largest batch the graphs accept")
+    ap.add_argument("--int8", action="store_true",
+                    help="also write INT8 Q/DQ graphs and TensorRT calibration caches, and report.json")
+    ap.add_argument("--calib-windows", type=int, default=128, help="training windows for INT8 calibration")
+    ap.add_argument("--eval-windows", type=int, default=64, help="validation windows of the report (0: all)")
+    ap.add_argument("--trt-version", default="10.3.0", help="TensorRT version in the calibration cache header")
     a = ap.parse_args(argv)
 
     import torch
@@ -37,6 +44,10 @@ def main(argv=None) -> int:
     torch.set_grad_enabled(False)
     run = Path(a.run) if a.run else find_run(a.runs)
     t = load_trained(run, a.ckpt)
+    if a.int8:
+        from wm.export.int8 import check_windows
+
+        check_windows(t, a.calib_windows, a.eval_windows)  # one line, before anything long runs
     out = Path(a.out) if a.out else run / "export"
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -67,6 +78,10 @@ def main(argv=None) -> int:
             f = r["fp16"]["vs_pytorch"]
             print(f"{name + '.fp16':<18}{r['fp16']['bytes'] / 2**20:7.1f} MiB            " + "  ".join(
                 f"batch {k[-1]}: agree {v['class_agreement']:.4f}" for k, v in f.items()))
+    if a.int8:
+        from wm.export.int8 import run_int8
+
+        report["int8"] = run_int8(t, out, a.calib_windows, a.eval_windows, trt_version=a.trt_version)["int8"]
     write_bytes(out / "export.json", json.dumps(report, indent=1))
     print(f"wrote {out / 'export.json'}")
     return 0

@@ -111,3 +111,22 @@ def test_checkpoint_whose_config_does_not_fit_its_weights(trained, tmp_path):
     torch.save(st, bad)
     with pytest.raises(ExportError, match="do not fit the model its config describes"):
         load_trained(trained.run_dir(), bad)
+
+
+def test_cli_int8_writes_qdq_graphs_caches_and_report(trained, tmp_path):
+    p = export("--run", str(trained.run_dir()), "--out", str(tmp_path), "--int8",
+               "--calib-windows", "8", "--eval-windows", "4")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert "onnx_int8" in json.dumps(rep) and "copy_last" in json.dumps(rep)
+    for name in ("forecaster", "tokenizer_encode", "tokenizer_decode"):
+        assert (tmp_path / f"{name}.int8.onnx").is_file()
+        assert (tmp_path / f"{name}.calib.cache").read_text().startswith("TRT-100300-EntropyCalibration2\n")
+    assert "int8" in json.loads((tmp_path / "export.json").read_text())
+
+
+def test_cli_int8_too_few_windows_fails_before_exporting(trained, tmp_path):
+    msg = one_line_error(export("--run", str(trained.run_dir()), "--out", str(tmp_path), "--int8",
+                                "--calib-windows", "100000"))
+    assert "--calib-windows 100000" in msg and "train" in msg
+    assert not list(tmp_path.glob("*.onnx"))

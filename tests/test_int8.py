@@ -1,0 +1,336 @@
+"""INT8 deployment (wm/export/int8.py): our entropy thresholds in a Q/DQ ONNX and a TensorRT cache, the
+graph structure onnxruntime's quantizer produced, bad input, and the accuracy report."""
+
+import json
+import math
+import shutil
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import wm.train as T
+from wm.errors import WMError
+from wm.export import int8 as I
+from wm.export.calib import HistogramCollector, entropy_threshold, read_cache
+
+QUANT = ("Conv", "ConvTranspose", "MatMul", "Gemm")
+FLOAT_OPS = ("Softmax", "GroupNormalization", "LayerNormalization", "InstanceNormalization", "ReduceMean",
+             "Gather", "GatherElements", "GatherND", "Einsum", "ArgMax", "ArgMin", "TopK")
+
+
+@pytest.fixture(scope="module")
+def run(tiny_factory):
+    """A tiny trained run (2 + 2 steps), its three FP32 graphs and the forecaster in FP16, then
+    run_int8 (8 calibration windows of 18 in the train split, all 9 val windows)."""
+    import torch
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    from wm.export.onnx import example_inputs, export_graph, graphs, load_trained
+
+    t = tiny_factory()
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert T.main(t.args(train__stages="tokenizer,world", tokenizer_stage__max_steps=2,
+                             world_stage__max_steps=2)) == 0
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+        T._STOP.update(flag=False, count=0)
+    torch.set_grad_enabled(False)
+    trained = load_trained(t.run_dir())
+    out = t.base / "export"
+    out.mkdir()
+    ex = example_inputs(trained, 2)
+    for name, (module, outputs) in graphs(trained).items():
+        export_graph(module, ex[name], outputs, out / f"{name}.onnx")
+    m = OnnxModel(convert_float_to_float16(onnx.load(str(out / "forecaster.onnx")), keep_io_types=True))
+    m.topological_sort()
+    onnx.save(m.model, str(out / "forecaster.fp16.onnx"))
+    lines = []
+    res = I.run_int8(trained, out, calib_windows=8, eval_windows=0, batch=4, log=lines.append)
+    torch.set_grad_enabled(True)
+    return SimpleNamespace(t=t, trained=trained, out=out, res=res, lines=lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers that read the graphs on their own (not through wm.export.int8)
+
+
+def producers(model):
+    return {o: n for n in model.graph.node for o in n.output}
+
+
+def inits(model):
+    return {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+
+
+def data_slots(node, initializers):
+    slots = (0,) if node.op_type in ("Conv", "ConvTranspose") else (0, 1)
+    return [i for i in slots if i < len(node.input) and node.input[i] not in initializers]
+
+
+def head_nodes(model):
+    """Heads by their weights: the world model's out_conv, the tokenizer's enc_out/dec_out, and the
+    codebook-distance Gemm of the nearest-code search."""
+    out = set()
+    for n in model.graph.node:
+        if n.op_type == "Gemm" or (n.op_type == "Conv" and n.input[1] in (
+                "world.out_conv.weight", "tok.enc_out.weight", "tok.dec_out.weight")):
+            out.add(n.name)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("graph", ["forecaster", "tokenizer_encode", "tokenizer_decode"])
+def test_qdq_on_every_quantized_input_and_none_on_float_ops(run, graph):
+    fp32 = onnx.load(str(run.out / f"{graph}.onnx"))
+    q = onnx.load(str(run.out / f"{graph}.int8.onnx"))
+    onnx.checker.check_model(q, full_check=True)
+    f_init, q_init, prod = inits(fp32), inits(q), producers(q)
+    orig = {n.name: n for n in fp32.graph.node}
+    # same computation: the Q/DQ graph is the float graph plus Q/DQ nodes
+    ops = lambda m: sorted(n.op_type for n in m.graph.node if n.op_type not in ("QuantizeLinear", "DequantizeLinear"))
+    assert ops(q) == ops(fp32)
+    heads = head_nodes(fp32)
+    assert heads, "the graph should have output heads"
+    quantized, float_nodes = set(), set()
+    for n in q.graph.node:
+        if n.op_type not in QUANT:
+            continue
+        reads_dq = [i for i, t in enumerate(n.input) if t in prod and prod[t].op_type == "DequantizeLinear"]
+        if not reads_dq:
+            float_nodes.add(n.name)
+            continue
+        quantized.add(n.name)
+        o = orig[n.name]
+        for i in data_slots(o, f_init):  # EVERY float data input of a quantized node goes through Q -> DQ
+            dq = prod.get(n.input[i])
+            assert dq is not None and dq.op_type == "DequantizeLinear", (n.name, i)
+            qn = prod.get(dq.input[0])
+            assert qn is not None and qn.op_type == "QuantizeLinear", (n.name, i)
+            assert qn.input[0] == o.input[i]  # of the original tensor, by its ONNX name
+            assert q_init[qn.input[2]].dtype == np.int8 and int(q_init[qn.input[2]]) == 0
+            assert q_init[qn.input[1]].size == 1  # per tensor
+        if n.op_type in ("Conv", "ConvTranspose") or (n.op_type == "MatMul" and o.input[1] in f_init):
+            dq = prod[n.input[1]]  # weight: int8 initializer, per-channel scales
+            assert dq.op_type == "DequantizeLinear" and q_init[dq.input[0]].dtype == np.int8
+            w = f_init[o.input[1]]
+            axis = next(a.i for a in dq.attribute if a.name == "axis")
+            assert axis == {"Conv": 0, "ConvTranspose": 1, "MatMul": 1}[n.op_type]
+            assert q_init[dq.input[1]].shape == (w.shape[axis],)
+        if len(n.input) > 2 and n.input[2]:  # bias stays float (onnxruntime may give a shared one a copy)
+            assert n.input[2] not in prod and q_init[n.input[2]].dtype == np.float32
+            assert np.array_equal(q_init[n.input[2]], f_init[o.input[2]])
+    assert float_nodes == heads  # exactly the heads stay float
+    rep = run.res["int8"]["graphs"][graph]
+    assert set(rep["nodes_float"]) == heads and rep["nodes_quantized"] == len(quantized) > 0
+    kinds = {orig[n].op_type for n in quantized}
+    assert {"Conv", "MatMul"} <= kinds and ("ConvTranspose" in kinds or graph != "forecaster")
+    # no Q/DQ feeds anything else: every DQ output is read by quantized nodes only; no float op
+    # (softmax, normalisation, gather/embeddings, einsum, argmax, heads...) reads a dequantized tensor
+    for n in q.graph.node:
+        if n.name in quantized or n.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            continue
+        for t in n.input:
+            assert not (t in prod and prod[t].op_type in ("QuantizeLinear", "DequantizeLinear")), (n.name, n.op_type, t)
+    present = {n.op_type for n in q.graph.node}
+    assert present & set(FLOAT_OPS)  # the check above did cover such ops
+    assert not any(prod.get(o.name) is not None and prod[o.name].op_type == "DequantizeLinear" for o in q.graph.output)
+
+
+def test_scales_are_our_thresholds_in_graph_and_cache(run):
+    import torch
+
+    for graph in ("forecaster", "tokenizer_encode", "tokenizer_decode"):
+        q = onnx.load(str(run.out / f"{graph}.int8.onnx"))
+        q_init = inits(q)
+        graph_scales = {}
+        for n in q.graph.node:
+            if n.op_type == "QuantizeLinear":
+                s = q_init[n.input[1]]
+                assert s.dtype == np.float32 and s.size == 1
+                prev = graph_scales.setdefault(n.input[0], float(s))
+                assert prev == float(s)  # dedicated pairs of one tensor share its scale
+        detail = json.loads((run.out / f"{graph}.calib.json").read_text())["tensors"]
+        assert set(graph_scales) == set(detail) and len(detail) == run.res["int8"]["graphs"][graph]["tensors_quantized"]
+        for name, d in detail.items():
+            assert graph_scales[name] == float(np.float32(d["amax"] / 127.0)), name
+            assert 0 < d["amax"] <= d["max"] * 1.01 + 1e-6  # an entropy cut-off, never far above the max
+        header, cache = read_cache(run.out / f"{graph}.calib.cache")
+        assert header == "TRT-100300-EntropyCalibration2"
+        assert list(cache) == [k for k in detail]  # ONNX tensor names, graph order
+        for name, s in cache.items():
+            assert s == graph_scales[name]  # float32 bit pattern round trip
+    # thresholds recomputed independently, in PyTorch: the decoder's first two Conv inputs are the
+    # codebook lookup of the calibration codes (discrete values: the entropy cut-off keeps the max)
+    # and silu(norm1(dec_in(zq))) (continuous: the cut-off lands well below the max). Two-pass
+    # calibration = the reference's histogram of the whole calibration set as ONE batch.
+    import torch.nn.functional as F
+
+    from wm.data import OccWindows
+
+    tr, tok = run.trained, run.trained.tokenizer
+    ds = OccWindows(tr.cfg.data.root, tr.cfg.data.train_split, tr.cfg.data)
+    idx = np.unique(np.linspace(0, len(ds) - 1, 8).round().astype(int))
+    with torch.no_grad():
+        occ = torch.stack([ds[int(i)]["occ"] for i in idx])
+        zq = tok.quantizer.lookup(tok.encode(occ.reshape(-1, *occ.shape[2:])))
+        x1 = F.silu(tok.decoder[0].norm1(tok.dec_in(zq)))
+    dec = onnx.load(str(run.out / "tokenizer_decode.onnx"))
+    convs = [n for n in dec.graph.node if n.op_type == "Conv"]
+    assert [c.input[1] for c in convs[:2]] == ["tok.dec_in.weight", "tok.decoder.0.conv1.weight"]
+    detail = json.loads((run.out / "tokenizer_decode.calib.json").read_text())["tensors"]
+    for conv, value in zip(convs, (zq, x1)):
+        col = HistogramCollector()
+        col.update("t", value)
+        ref = entropy_threshold(*col.histogram("t"))
+        got = detail[conv.input[0]]
+        assert math.isclose(got["amax"], ref, rel_tol=1e-5), (conv.input[0], got, ref)
+        assert math.isclose(got["max"], col.amax("t"), rel_tol=1e-5)
+    assert detail[convs[1].input[0]]["amax"] < 0.97 * detail[convs[1].input[0]]["max"]  # a real cut-off
+
+
+def test_too_few_windows_is_one_clear_error(run, tmp_path):
+    with pytest.raises(WMError, match=r"--calib-windows 19 but split 'train' has only 18 windows"):
+        I.calibration_feeds(run.trained, n_windows=19, batch=4)
+    # through int8_export: refused before anything is written
+    for g in ("forecaster", "tokenizer_encode", "tokenizer_decode"):
+        shutil.copy(run.out / f"{g}.onnx", tmp_path / f"{g}.onnx")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(WMError, match=r"--calib-windows 500 but split 'train' has only 18 windows"):
+        I.int8_export(run.trained, tmp_path, 500)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    with pytest.raises(WMError, match=r"split 'val' has only 9 windows"):
+        I.accuracy_report(run.trained, run.out, 10)
+    with pytest.raises(WMError, match=r"--eval-windows 10 but split 'val' has only 9 windows"):
+        I.check_windows(run.trained, 8, 10)
+    assert I.check_windows(run.trained, 18, 0) == (18, 9)
+    # a missing FP32 graph is named
+    (tmp_path / "forecaster.onnx").unlink()
+    with pytest.raises(WMError, match="forecaster.onnx does not exist"):
+        I.int8_export(run.trained, tmp_path, 4)
+
+
+def test_int8_forecaster_runs_and_report_has_every_variant(run):
+    import onnxruntime as ort
+
+    from wm.export.onnx import example_inputs
+
+    cfg = run.trained.cfg
+    sess = ort.InferenceSession(str(run.out / "forecaster.int8.onnx"), providers=["CPUExecutionProvider"])
+    for b in (1, 3):  # dynamic batch kept
+        ex = example_inputs(run.trained, b, seed=b)["forecaster"]
+        y = sess.run(None, {k: v.numpy() for k, v in ex.items()})[0]
+        assert y.dtype == np.uint8 and y.shape == (b, cfg.data.future, *cfg.data.grid) and y.max() < cfg.data.num_classes
+
+    rep = json.loads((run.out / "report.json").read_text())
+    assert rep["accuracy"] == json.loads(json.dumps(run.res["accuracy"]))
+    acc = rep["accuracy"]
+    assert acc["split"] == "val" and acc["windows"] == 9
+    S = cfg.data.future
+    assert list(acc["models"]) == ["pytorch_fp32", "onnx_fp32", "onnx_fp16", "onnx_int8", "copy_last"]
+    for v, r in acc["models"].items():
+        for k in ("iou", "miou", "drop_iou", "drop_miou"):
+            assert len(r[k]) == S and all(x is not None and math.isfinite(x) for x in r[k]), (v, k, r[k])
+        assert 0 <= r["iou_avg"] <= 100 and math.isfinite(r["drop_iou_avg"])
+        if v.startswith("onnx"):
+            assert r["latency_ms"] > 0
+    # the ONNX FP32 graph IS the PyTorch model: no drop at all
+    fp, ox = acc["models"]["pytorch_fp32"], acc["models"]["onnx_fp32"]
+    assert all(abs(d) <= 1e-6 for d in ox["drop_iou"] + ox["drop_miou"] + [ox["drop_iou_avg"], ox["drop_miou_avg"]])
+    assert ox["iou"] == pytest.approx(fp["iou"], abs=1e-6) and ox["agreement_vs_pytorch"] == 1.0
+    # copy-last needs no model: its geometry IoU of future step 1, recomputed from the val windows
+    from wm.data import OccWindows
+
+    ds = OccWindows(cfg.data.root, cfg.data.val_split, cfg.data)
+    inter = union = 0
+    for i in range(len(ds)):
+        occ = ds[i]["occ"].numpy() != cfg.data.free_class
+        pred, gt = occ[cfg.data.past - 1], occ[cfg.data.past]
+        inter, union = inter + (pred & gt).sum(), union + (pred | gt).sum()
+    assert acc["models"]["copy_last"]["iou"][0] == pytest.approx(100 * inter / union, abs=1e-9)
+    table = I.format_report(acc)
+    assert table in "\n".join(run.lines)
+    for v in acc["models"]:
+        assert any(line.startswith(v) for line in table.splitlines())
+    assert rep["int8"]["calibration"]["split"] == "train" and rep["int8"]["calibration"]["windows"] == 8
+    assert not list(run.out.glob(".*tmp*"))
+
+
+def _small_model(path: Path):
+    """x -> Conv(w1) -> a; a -> Conv(w2) -> b (quantized); a -> InstanceNormalization -> c (float);
+    b, c -> MatMul -> Softmax -> MatMul(y) -> ArgMax -> out; a -> Conv(w2) -> ArgMax -> out2 (a head,
+    float, sharing conv2's weight). `a` has ONE quantized consumer and float ones, and w2 a float
+    consumer: the cases where onnxruntime wires a DequantizeLinear into every consumer."""
+    rng = np.random.default_rng(0)
+    w1 = rng.standard_normal((4, 2, 3, 3)).astype(np.float32)
+    w2 = rng.standard_normal((4, 4, 1, 1)).astype(np.float32)
+    ones, zeros = np.ones(4, np.float32), np.zeros(4, np.float32)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["a"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Conv", ["a", "w2"], ["b"], name="conv2"),
+        helper.make_node("InstanceNormalization", ["a", "g", "beta"], ["c"], name="norm"),
+        helper.make_node("Transpose", ["c"], ["ct"], name="tr", perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["b", "ct"], ["s"], name="mm1"),
+        helper.make_node("Softmax", ["s"], ["p"], name="softmax", axis=-1),
+        helper.make_node("MatMul", ["p", "b"], ["o"], name="mm2"),
+        helper.make_node("ArgMax", ["o"], ["out"], name="argmax", axis=1, keepdims=0),
+        helper.make_node("Conv", ["a", "w2"], ["d"], name="head"),  # shares w2 with conv2
+        helper.make_node("ArgMax", ["d"], ["out2"], name="argmax2", axis=1, keepdims=0),
+    ]
+    g = helper.make_graph(nodes, "small", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 2, 6, 6])],
+                          [helper.make_tensor_value_info("out", TensorProto.INT64, ["n", 6, 6]),
+                           helper.make_tensor_value_info("out2", TensorProto.INT64, ["n", 6, 6])],
+                          [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2"),
+                           numpy_helper.from_array(ones, "g"), numpy_helper.from_array(zeros, "beta")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(m)
+    onnx.save(m, str(path))
+
+
+def test_quantize_qdq_keeps_float_consumers_float(tmp_path):
+    src, dst = tmp_path / "small.onnx", tmp_path / "small.int8.onnx"
+    _small_model(src)
+    feeds = [{"x": np.random.default_rng(i).standard_normal((2, 2, 6, 6)).astype(np.float32)} for i in range(3)]
+    col = I.collect_histograms(src, feeds)
+    assert set(col.names()) == {"x", "a", "b", "ct", "p"}  # data inputs of Conv/MatMul; no weights
+    th = {k: entropy_threshold(*col.histogram(k)) for k in col.names()}
+    info = I.quantize_qdq(src, dst, th)
+    # mm2 produces the values the ArgMax decides on: an output head, float; mm1 reads b, ct (quantized)
+    assert set(info["float_nodes"]) == {"mm2", "head"} and set(info["quantized_nodes"]) == {"conv1", "conv2", "mm1"}
+    q = onnx.load(str(dst))
+    prod, qi = producers(q), inits(q)
+    node = {n.name: n for n in q.graph.node}
+    assert info["rewired"] >= 3
+    assert node["norm"].input[0] == "a"  # float, though onnxruntime first wired the DQ of `a` into it
+    assert node["head"].input == ["a", "w2"] and qi["w2"].dtype == np.float32  # the float weight is back
+    assert prod[node["conv2"].input[1]].op_type == "DequantizeLinear"  # while conv2 reads it in int8
+    assert node["softmax"].input[0] == "s" and node["mm2"].input[:2] == ["p", "b"]
+    assert prod[node["conv2"].input[0]].op_type == "DequantizeLinear"
+    for n in q.graph.node:
+        if n.op_type == "QuantizeLinear":
+            assert qi[n.input[1]] == np.float32(th[n.input[0]] / 127) and qi[n.input[2]] == 0
+    assert {n.input[0] for n in q.graph.node if n.op_type == "QuantizeLinear"} == {"x", "a", "b", "ct"}
+    # a tensor without a threshold leaves its consumer in float, and the result still runs
+    th.pop("ct")
+    info = I.quantize_qdq(src, dst, th)
+    assert "mm1" in info["float_nodes"] and "no calibrated range" in info["float_nodes"]["mm1"]
+    import onnxruntime as ort
+
+    s = ort.InferenceSession(str(dst), providers=["CPUExecutionProvider"])
+    assert s.run(None, feeds[0])[0].shape == (2, 6, 6)
+    # one-pass (streaming) histograms grow with the data; two-pass ones are 2048 bins over [0, max]
+    two = I.collect_histograms(src, feeds)
+    one = I.collect_histograms(src, feeds, two_pass=False)
+    for k in two.names():
+        c2, e2 = two.histogram(k)
+        assert len(c2) == 2048 and e2[-1] == pytest.approx(two.amax(k)) and two.amax(k) == one.amax(k)
+        assert c2.sum() == one.histogram(k)[0].sum()
