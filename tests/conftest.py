@@ -181,3 +181,20 @@ def restore_signals():
 def tiny_factory(tmp_path_factory):
     """For module-scoped fixtures: a fresh `Tiny` per call."""
     return lambda: Tiny(tmp_path_factory.mktemp("t"))
+
+
+@pytest.fixture(scope="session")
+def trained_tiny(tiny_factory):
+    """A tiny run trained through both stages (2 + 2 steps), shared by the export tests."""
+    import wm.train as T
+
+    t = tiny_factory()
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert T.main(t.args(train__stages="tokenizer,world", tokenizer_stage__max_steps=2,
+                             world_stage__max_steps=2)) == 0
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+        T._STOP.update(flag=False, count=0)
+    return t

@@ -9,27 +9,14 @@ from pathlib import Path
 import onnx
 import pytest
 
-import wm.train as T
 from wm.export.onnx import ExportError, load_trained
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_factory):
-    """A tiny run with both stages (2 steps each)."""
-    import signal
-
-    t = tiny_factory()
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        assert T.main(t.args(train__stages="tokenizer,world", tokenizer_stage__max_steps=2,
-                             world_stage__max_steps=2)) == 0
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
-        T._STOP.update(flag=False, count=0)
-    return t
+def trained(trained_tiny):
+    return trained_tiny
 
 
 def export(*args):

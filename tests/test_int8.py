@@ -4,7 +4,6 @@ graph structure onnxruntime's quantizer produced, bad input, and the accuracy re
 import json
 import math
 import shutil
-import signal
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,7 +12,6 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import wm.train as T
 from wm.errors import WMError
 from wm.export import int8 as I
 from wm.export.calib import HistogramCollector, entropy_threshold, read_cache
@@ -24,7 +22,7 @@ FLOAT_OPS = ("Softmax", "GroupNormalization", "LayerNormalization", "InstanceNor
 
 
 @pytest.fixture(scope="module")
-def run(tiny_factory):
+def run(trained_tiny):
     """A tiny trained run (2 + 2 steps), its three FP32 graphs and the forecaster in FP16, then
     run_int8 (8 calibration windows of 18 in the train split, all 9 val windows)."""
     import torch
@@ -33,15 +31,7 @@ def run(tiny_factory):
 
     from wm.export.onnx import example_inputs, export_graph, graphs, load_trained
 
-    t = tiny_factory()
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        assert T.main(t.args(train__stages="tokenizer,world", tokenizer_stage__max_steps=2,
-                             world_stage__max_steps=2)) == 0
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
-        T._STOP.update(flag=False, count=0)
+    t = trained_tiny
     torch.set_grad_enabled(False)
     trained = load_trained(t.run_dir())
     out = t.base / "export"
