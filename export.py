@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from wm.atomic import tmp_path, write_bytes
+from wm.atomic import discard, publish, tmp_path, write_bytes
 from wm.errors import WMError, run_cli
 
 
@@ -101,9 +101,9 @@ def to_fp16(src: Path, dst: Path, module, ex) -> dict:
     try:
         onnx.save(m.model, str(tmp))
         onnx.checker.check_model(str(tmp))
-        os.replace(tmp, dst)
+        publish(tmp, dst)
     finally:
-        tmp.unlink(missing_ok=True)
+        discard(tmp)
     name = src.stem
     return {"file": dst.name, "bytes": dst.stat().st_size,
             "vs_pytorch": {f"batch{b}": compare(module, dst, ex[b][name]) for b in (1, 2)}}

@@ -37,6 +37,21 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Move a complete, flushed temporary (written by a library, e.g. onnx.save) onto its final
+    name and make the rename durable."""
+    os.replace(tmp, path)
+    fsync_dir(Path(path).parent)
+
+
+def discard(tmp: str | os.PathLike) -> None:
+    """Remove a temporary if it is there (after a failed write)."""
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+
+
 def write_bytes(path: str | os.PathLike, data: bytes | bytearray | memoryview | str) -> int:
     """Atomically replace `path` with `data` (str is written as UTF-8). Returns the byte count;
     raises OSError with the temporary removed and `path` untouched."""

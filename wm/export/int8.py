@@ -63,7 +63,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from wm.atomic import fsync_dir, tmp_path, write_bytes
+from wm.atomic import discard, publish, tmp_path, write_bytes
 from wm.errors import WMError
 from wm.export.calib import (HistogramCollector, entropy_threshold, percentile_threshold, scale_from_amax,
                              trt_version_number, write_cache)
@@ -109,13 +109,6 @@ class Int8Error(WMError):
 def _one_line(e: BaseException) -> str:
     s = str(e).strip().splitlines()
     return f"{type(e).__name__}: {s[0][:300] if s else ''}"
-
-
-def _unlink(p: Path) -> None:
-    try:
-        p.unlink()
-    except FileNotFoundError:
-        pass
 
 
 def _write_json(path: Path, obj) -> None:
@@ -635,13 +628,12 @@ def quantize_qdq(onnx_path, out_path, thresholds: Mapping[str, float],
         _check_qdq(q, model, qset, scales, tensors, op_types, exclude_op_types, out_path.name)
         onnx.save(q, str(tmp))
         onnx.checker.check_model(str(tmp), full_check=True)
-        os.replace(tmp, out_path)
-        fsync_dir(out_path.parent)
+        publish(tmp, out_path)
     except OSError as e:
-        _unlink(tmp)
+        discard(tmp)
         raise Int8Error(f"cannot write {out_path}: {e}") from None
     except Exception as e:
-        _unlink(tmp)
+        discard(tmp)
         if isinstance(e, WMError):
             raise
         raise Int8Error(f"quantizing {onnx_path.name} failed: {_one_line(e)}") from e

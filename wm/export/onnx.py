@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from wm.atomic import tmp_path
+from wm.atomic import discard, publish, tmp_path
 from wm.checkpoint import CheckpointError, latest_checkpoint, load
 from wm.config import Config, from_dict
 from wm.errors import ConfigError, WMError
@@ -192,23 +192,16 @@ def export_graph(module: nn.Module, inputs: dict[str, torch.Tensor], outputs: li
                               output_names=outputs, dynamic_shapes=tuple({0: batch} for _ in inputs),
                               dynamo=True, external_data=False)
         onnx.checker.check_model(str(tmp), full_check=True)
-        os.replace(tmp, path)
+        publish(tmp, path)
     except OSError as e:
-        _unlink(tmp)
+        discard(tmp)
         raise ExportError(f"cannot write {path}: {e}") from None
     except Exception as e:
-        _unlink(tmp)
+        discard(tmp)
         if isinstance(e, WMError):
             raise
         raise ExportError(f"exporting {path.name} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
     return time.perf_counter() - t0
-
-
-def _unlink(p: Path) -> None:
-    try:
-        p.unlink()
-    except FileNotFoundError:
-        pass
 
 
 def session(path: Path, threads: int = 0):
