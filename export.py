@@ -7,8 +7,14 @@
 Writes into <run>/export/: forecaster.onnx, tokenizer_encode.onnx, tokenizer_decode.onnx (and
 *.fp16.onnx with --fp16; with --int8 *.int8.onnx Q/DQ graphs calibrated by TensorRT's entropy
 method, *.calib.cache TensorRT calibration caches and report.json: IoU/mIoU per future step of
-PyTorch, ONNX FP32/FP16/INT8 and copy-last on held-out windows, with onnxruntime latency), and export.json with what was compared: onnxruntime against PyTorch at
-batch 1 and 2, class agreement and max logit difference.
+PyTorch, ONNX FP32/FP16/INT8 and copy-last on held-out windows, with onnxruntime latency), and
+export.json with what was compared: onnxruntime against PyTorch at batch 1 and 2, class agreement
+and max logit difference.
+
+TensorRT: where `import tensorrt` works and a GPU is present, each graph (the INT8 Q/DQ one with
+--int8, else FP16 with --fp16, else FP32) is built into `<graph>.engine` as a strongly typed
+network, run with torch CUDA tensors, compared with onnxruntime and timed; elsewhere one line says
+why and the `trtexec` command for the target machine is printed (--no-trt skips this).
 """
 
 import argparse
@@ -35,6 +41,9 @@ def main(argv=None) -> int:
     ap.add_argument("--calib-windows", type=int, default=128, help="training windows for INT8 calibration")
     ap.add_argument("--eval-windows", type=int, default=64, help="validation windows of the report (0: all)")
     ap.add_argument("--trt-version", default="10.3.0", help="TensorRT version in the calibration cache header")
+    ap.add_argument("--no-trt", action="store_true",
+                    help="skip the TensorRT step (by default: engines where TensorRT and a GPU are "
+                         "here, else the trtexec lines to run on the target)")
     a = ap.parse_args(argv)
 
     import torch
@@ -82,6 +91,14 @@ def main(argv=None) -> int:
         from wm.export.int8 import run_int8
 
         report["int8"] = run_int8(t, out, a.calib_windows, a.eval_windows, trt_version=a.trt_version)["int8"]
+    if not a.no_trt:
+        from wm.export.trt import deploy
+
+        # the most deployable graphs written: Q/DQ INT8, else FP16, else FP32
+        kind = ".int8" if a.int8 else ".fp16" if a.fp16 else ""
+        files = {name: out / f"{name}{kind}.onnx" for name in report["graphs"]}
+        feeds = {name: {k: v.numpy() for k, v in ex[2][name].items()} for name in files}
+        report["tensorrt"] = deploy(files, feeds, max_batch=a.max_batch, opt_batch=1)
     write_bytes(out / "export.json", json.dumps(report, indent=1))
     print(f"wrote {out / 'export.json'}")
     return 0

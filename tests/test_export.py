@@ -117,3 +117,39 @@ def test_cli_int8_too_few_windows_fails_before_exporting(trained, tmp_path):
                                 "--calib-windows", "100000"))
     assert "--calib-windows 100000" in msg and "train" in msg
     assert not list(tmp_path.glob("*.onnx"))
+
+
+def test_fold_weight_transposes_keeps_the_function(tmp_path):
+    """Transpose(initializer) -> MatMul becomes a transposed initializer; same outputs in onnxruntime;
+    an initializer still read elsewhere stays."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from wm.export.onnx import fold_weight_transposes, session
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((3, 4)).astype(np.float32)
+    v = rng.standard_normal((3, 2)).astype(np.float32)
+    nodes = [helper.make_node("Transpose", ["W"], ["Wt"], name="t0", perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "Wt"], ["y"], name="m0"),
+             helper.make_node("Transpose", ["V"], ["Vt"], name="t1", perm=[1, 0]),
+             helper.make_node("MatMul", ["y", "V"], ["z"], name="m1"),
+             helper.make_node("Add", ["Vt", "Vt"], ["u"], name="a0")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])],
+                          [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["b", 2]),
+                           helper.make_tensor_value_info("u", TensorProto.FLOAT, [2, 3])],
+                          initializer=[numpy_helper.from_array(w, "W"), numpy_helper.from_array(v, "V")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    a, b = tmp_path / "a.onnx", tmp_path / "b.onnx"
+    onnx.save(m, str(a))
+    assert fold_weight_transposes(m) == 2
+    onnx.checker.check_model(m, full_check=True)
+    onnx.save(m, str(b))
+    assert [n.op_type for n in m.graph.node] == ["MatMul", "MatMul", "Add"]
+    ini = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+    assert set(ini) == {"Wt", "V", "Vt"}  # W was read only by its Transpose; V also by m1
+    np.testing.assert_array_equal(ini["Wt"], w.T)
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    for p, q in zip(session(a).run(None, {"x": x}), session(b).run(None, {"x": x})):
+        np.testing.assert_array_equal(p, q)

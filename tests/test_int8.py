@@ -160,9 +160,9 @@ def test_scales_are_our_thresholds_in_graph_and_cache(run):
         for name, s in cache.items():
             assert s == graph_scales[name]  # float32 bit pattern round trip
     # thresholds recomputed independently, in PyTorch: the decoder's first two Conv inputs are the
-    # codebook lookup of the calibration codes (discrete values: the entropy cut-off keeps the max)
-    # and silu(norm1(dec_in(zq))) (continuous: the cut-off lands well below the max). Two-pass
-    # calibration = the reference's histogram of the whole calibration set as ONE batch.
+    # codebook lookup of the calibration codes (rows of a table: its exact max, not the entropy
+    # search) and silu(norm1(dec_in(zq))) (continuous: the entropy cut-off lands well below the
+    # max). Two-pass calibration = the reference's histogram of the whole calibration set as ONE batch.
     import torch.nn.functional as F
 
     from wm.data import OccWindows
@@ -178,14 +178,66 @@ def test_scales_are_our_thresholds_in_graph_and_cache(run):
     convs = [n for n in dec.graph.node if n.op_type == "Conv"]
     assert [c.input[1] for c in convs[:2]] == ["tok.dec_in.weight", "tok.decoder.0.conv1.weight"]
     detail = json.loads((run.out / "tokenizer_decode.calib.json").read_text())["tensors"]
-    for conv, value in zip(convs, (zq, x1)):
+    rules = ("max (rows of table tok.quantizer.codebook.weight)", "entropy")
+    for conv, value, rule in zip(convs, (zq, x1), rules):
         col = HistogramCollector()
         col.update("t", value)
-        ref = entropy_threshold(*col.histogram("t"))
+        ref = entropy_threshold(*col.histogram("t")) if rule == "entropy" else float(value.abs().max())
         got = detail[conv.input[0]]
+        assert got["rule"] == rule, (conv.input[0], got)
         assert math.isclose(got["amax"], ref, rel_tol=1e-5), (conv.input[0], got, ref)
         assert math.isclose(got["max"], col.amax("t"), rel_tol=1e-5)
     assert detail[convs[1].input[0]]["amax"] < 0.97 * detail[convs[1].input[0]]["max"]  # a real cut-off
+
+
+def test_data_ranged_tensors_take_their_exact_max(run):
+    """Table lookups (class embedding in front of the encoder, codebook in front of the decoder) and
+    the ego-motion inputs of the pose MLP are found from the graph alone, and only they are left out
+    of the entropy search: their threshold is their exact max."""
+    tok = run.trained.tokenizer
+    want = {"tokenizer_encode": ({"rows of table tok.class_embed.weight"}, 0),
+            "tokenizer_decode": ({"rows of table tok.quantizer.codebook.weight"}, 0),
+            # one motion input per rollout step: the past motion, then past + given future motion
+            "forecaster": ({"rows of table tok.class_embed.weight", "rows of table tok.quantizer.codebook.weight",
+                            "values of input past_motion", "values of input future_motion, past_motion"},
+                           run.trained.cfg.data.future)}
+    for graph, (reasons, motion_tensors) in want.items():
+        found = I.exact_range_tensors(run.out / f"{graph}.onnx")
+        assert set(found.values()) == reasons, graph
+        assert sum(r.startswith("values of input") for r in found.values()) == motion_tensors, graph
+        detail = json.loads((run.out / f"{graph}.calib.json").read_text())["tensors"]
+        assert {t: d["rule"] for t, d in detail.items() if d["rule"] != "entropy"} == \
+            {t: f"max ({why})" for t, why in found.items()}, graph
+        assert run.res["int8"]["graphs"][graph]["exact_range_at_max"] == found
+        for t in found:
+            assert detail[t]["amax"] == detail[t]["max"] > 0
+    # the encoder-input threshold is the largest |value| of the class vectors the frames use
+    enc = json.loads((run.out / "tokenizer_encode.calib.json").read_text())["tensors"]
+    (t,) = I.exact_range_tensors(run.out / "tokenizer_encode.onnx")
+    w = tok.class_embed.weight.detach().abs()
+    free = run.trained.cfg.data.free_class
+    assert float(w[free].max()) <= enc[t]["amax"] + 1e-6 and enc[t]["amax"] <= float(w.max()) + 1e-6
+
+
+def test_no_weight_is_calibrated_as_an_activation(run):
+    """The exporter's Transpose(weight) in front of MatMuls is folded at export, so every weight is an
+    initializer: per-channel int8 weights, and no activation scale on a weight."""
+    for graph in ("forecaster", "tokenizer_encode", "tokenizer_decode"):
+        m = onnx.load(str(run.out / f"{graph}.onnx"))
+        ini = inits(m)
+        assert not [n.name for n in m.graph.node if n.op_type == "Transpose" and n.input[0] in ini], graph
+        detail = json.loads((run.out / f"{graph}.calib.json").read_text())["tensors"]
+        prod = producers(m)
+        for t in detail:  # every calibrated tensor depends on a graph input
+            stack, seen, hit = [t], set(), False
+            while stack and not hit:
+                x = stack.pop()
+                if x in seen:
+                    continue
+                seen.add(x)
+                hit = x in {i.name for i in m.graph.input}
+                stack.extend(i for i in (prod[x].input if x in prod else ()) if i)
+            assert hit, (graph, t)
 
 
 def test_too_few_windows_is_one_clear_error(run, tmp_path):

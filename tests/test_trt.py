@@ -1086,3 +1086,67 @@ def test_trtexec_command(tmp_path, qdq_onnx):
     with pytest.raises(WMError) as ei:
         T.onnx_profile_shapes(junk, 1, 2, 3)
     assert str(junk) in one_line(ei.value)
+
+
+# =============================================================================================
+# export.py's TensorRT step
+
+
+import torch._dynamo  # noqa: E402,F401 (loaded before a stand-in `tensorrt`: its import probes find_spec("tensorrt"))
+
+import wm.export.onnx  # noqa: E402,F401
+
+
+@pytest.fixture
+def runnable_onnx(tmp_path) -> Path:
+    """A graph onnxruntime can run: classes (uint8) = occ, score (float) = x + x."""
+    nodes = [helper.make_node("Identity", ["occ"], ["classes"], name="identity_0"),
+             helper.make_node("Add", ["x", "x"], ["score"], name="add_0")]
+    g = helper.make_graph(nodes, "g",
+                          [helper.make_tensor_value_info("occ", TensorProto.UINT8, ["batch", 3]),
+                           helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 2])],
+                          [helper.make_tensor_value_info("classes", TensorProto.UINT8, ["batch", 3]),
+                           helper.make_tensor_value_info("score", TensorProto.FLOAT, ["batch", 2])])
+    path = tmp_path / "forecaster.int8.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def _feed():
+    import numpy as np
+
+    return {"occ": np.array([[1, 1, 2], [1, 3, 1]], np.uint8),
+            "x": np.array([[0.5, 0.25], [1.0, -1.0]], np.float32)}
+
+
+def test_deploy_without_tensorrt_prints_why_and_trtexec(monkeypatch, runnable_onnx):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    lines = []
+    res = T.deploy({"forecaster": runnable_onnx}, {"forecaster": _feed()}, max_batch=8, log=lines.append)
+    assert res["available"] is False
+    assert lines[0].startswith("TensorRT engines not built: TensorRT is not available here (import")
+    engine = runnable_onnx.with_suffix(".engine")
+    want = (f"trtexec --onnx={runnable_onnx} --saveEngine={engine} --stronglyTyped "
+            "--minShapes=occ:1x3,x:1x2 --optShapes=occ:1x3,x:1x2 --maxShapes=occ:8x3,x:8x2")
+    assert lines[1] == f"  {want}" and res["graphs"]["forecaster"]["trtexec"] == want
+    assert not engine.exists()
+
+
+@pytest.mark.parametrize("fake_cls", [FakeTRT10, FakeTRT11])
+def test_deploy_builds_runs_compares_and_times(use_fake, runnable_onnx, fake_cls):
+    fake = use_fake(fake_cls())
+    lines = []
+    res = T.deploy({"forecaster": runnable_onnx}, {"forecaster": _feed()}, max_batch=8, opt_batch=2,
+                   log=lines.append, timing_iters=3)
+    g = res["graphs"]["forecaster"]
+    engine = runnable_onnx.with_suffix(".engine")
+    assert res["available"] and engine.is_file() and g["engine"] == "forecaster.int8.engine"
+    # the stand-in engine writes 0x01 into every output byte: 4 of the 6 classes are 1 in onnxruntime
+    assert g["vs_onnxruntime"]["classes"] == {"agreement": pytest.approx(4 / 6)}
+    one = float(torch.tensor([1], dtype=torch.uint8).repeat(4).view(torch.float32))
+    assert g["vs_onnxruntime"]["score"]["max_abs_diff"] == pytest.approx(abs(one - (-2.0)))
+    assert set(g["latency_ms"]) == {"batch1", "batch2"}
+    assert fake.called("IOptimizationProfile.set_shape")[0][1:] == ((1, 3), (2, 3), (8, 3))
+    assert len(fake.called("IExecutionContext.execute_async_v3")) == 1 + 2 * (5 + 3)
+    assert fake.touched == []
+    assert "forecaster.int8.engine" in lines[1] and "classes 0.6667" in lines[1]

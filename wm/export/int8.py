@@ -14,7 +14,10 @@ TensorRT's EntropyCalibrator2) and handed to TensorRT in the graph itself:
    2048-bin |x| histograms are collected over the feeds with onnxruntime (two passes: exact max
    first, then 2048 bins over [0, max], i.e. the reference's histogram of the whole calibration
    set taken as one batch; see the function).
-3. Entropy thresholds (amax) -> scale = amax / 127, zero point 0.
+3. Entropy thresholds (amax) -> scale = amax / 127, zero point 0; except where the range is the
+   data's, not a learned activation's (:func:`exact_range_tensors`: rows of the class-embedding
+   and codebook tables, the ego-motion inputs), which take their exact max: the entropy search,
+   built for continuous activations, clips whole table rows and the informative motion tails.
 4. :func:`quantize_qdq`: onnxruntime's ``quantize_static`` (QDQ format) does the graph work with
    every activation scale given as a ``TensorQuantOverrides`` override; weights per-channel
    symmetric int8 (its own min/max), bias left float; Softmax, normalisation, Gather/embeddings,
@@ -74,6 +77,7 @@ __all__ = [
     "GRAPH_NAMES",
     "Int8Error",
     "quantizable_inputs",
+    "exact_range_tensors",
     "output_heads",
     "collect_histograms",
     "calibration_feeds",
@@ -100,6 +104,8 @@ _DECISION_OPS = ("ArgMax", "ArgMin", "TopK")
 # world model's motion head, which feeds the next rollout step's pose MLP.
 HEAD_SCOPES = r"(^|\.)(out_conv|motion_head|dec_out|enc_out)(\.|$)"
 _FLOAT_TYPES = (1, 10, 11, 16)  # onnx.TensorProto FLOAT, FLOAT16, DOUBLE, BFLOAT16
+# Ops that only move values: a tensor seen through them after a table lookup is still the table's rows.
+_VIEW_OPS = ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity")
 
 
 class Int8Error(WMError):
@@ -185,6 +191,67 @@ def quantizable_inputs(model, op_types: Sequence[str] = QUANT_OP_TYPES) -> dict[
             out.setdefault(name, [])
             if node.name not in out[name]:
                 out[name].append(node.name)
+    return out
+
+
+def exact_range_tensors(model) -> dict[str, str]:
+    """{tensor: why} for the quantized inputs whose range is the data's, not a learned activation's;
+    int8_export gives them their exact max instead of an entropy cut-off:
+
+    - rows of a constant table: a Gather whose data is an initializer/Constant, seen through view
+      ops only (the tokenizer's class embedding, the codebook lookup in front of the decoder). A few
+      exact values (18 class vectors), not a continuous distribution: the entropy search cuts off
+      whole rows (demo run: the class embedding's threshold came out at 0.19 of its max, every voxel
+      of the clipped classes got a wrong vector, and the forecast lost 10 IoU points);
+    - values of the graph's inputs, reached through no Conv/MatMul/Gemm (the ego motion, scaled and
+      stacked, in front of the pose MLP at every rollout step). Their tails are measurements, and
+      the informative part: a clipped displacement makes a fast ego look slow (demo run: threshold
+      at 0.41 of the max, the forecast lost a further 0.7 IoU points on the last steps).
+    """
+    model = _load(model)
+    const = _constants(model)
+    producer = {o: n for n in model.graph.node for o in n.output}
+    inputs = {i.name for i in model.graph.input} - const
+    out: dict[str, str] = {}
+    sources: dict[str, Optional[frozenset]] = {}  # tensor -> graph inputs it derives from; None: learned
+
+    def origin(t: str) -> Optional[frozenset]:
+        # iterative post-order walk (graphs are thousands of nodes deep: no recursion)
+        stack = [t]
+        while stack:
+            x = stack[-1]
+            if x in sources:
+                stack.pop()
+                continue
+            n = producer.get(x)
+            if n is None:
+                sources[x] = frozenset([x]) if x in inputs else frozenset()
+                stack.pop()
+                continue
+            if n.op_type in QUANT_OP_TYPES:
+                sources[x] = None
+                stack.pop()
+                continue
+            todo = [i for i in n.input if i and i not in sources]
+            if todo:
+                stack.extend(todo)
+                continue
+            parts = [sources[i] for i in n.input if i]
+            sources[x] = None if any(p is None for p in parts) else frozenset().union(*parts)
+            stack.pop()
+        return sources[t]
+
+    for t in quantizable_inputs(model):
+        x = t
+        while x in producer and producer[x].op_type in _VIEW_OPS:
+            x = producer[x].input[0]
+        n = producer.get(x)
+        if n is not None and n.op_type == "Gather" and n.input and n.input[0] in const:
+            out[t] = f"rows of table {n.input[0]}"
+            continue
+        src = origin(t)
+        if src:
+            out[t] = f"values of input {', '.join(sorted(src))}"
     return out
 
 
@@ -778,7 +845,9 @@ def int8_export(trained, out_dir, calib_windows: int = 256, batch: int = 4, trt_
     `calib_windows` training windows, pick the thresholds (`method`: "entropy" = TensorRT's
     EntropyCalibrator2; "percentile" 99.99; "max"), write `<name>.int8.onnx` (Q/DQ),
     `<name>.calib.cache` (TensorRT `TRT-<ver>-EntropyCalibration2` text) and `<name>.calib.json`
-    (amax, exact max and scale per tensor). Returns a JSON-ready dict of what was written.
+    (amax, exact max and scale per tensor). Tensors whose range is the data's
+    (:func:`exact_range_tensors`: table lookups, the ego-motion inputs) take their exact max
+    whatever the method. Returns a JSON-ready dict of what was written.
 
     `exclude_scopes`: a regex on module paths (e.g. r"\\.temporal\\.") whose Conv/MatMul nodes stay
     float as well. `workers`: processes for the threshold search (0: one per CPU, at most 16)."""
@@ -820,10 +889,12 @@ def int8_export(trained, out_dir, calib_windows: int = 256, batch: int = 4, trt_
                         key=list(tensors).index)
         hists = col.histograms()
         todo = {t: hists[t] for t in wanted if t in hists}  # absent: zero in every batch, stays float
+        exact = {t: why for t, why in exact_range_tensors(model).items() if t in todo}
         if method == "max":
             thresholds = {t: col.amax(t) for t in todo}
         else:
-            thresholds = _thresholds(todo, method, workers)
+            thresholds = _thresholds({t: h for t, h in todo.items() if t not in exact}, method, workers)
+            thresholds.update({t: col.amax(t) for t in exact})
         t3 = time.perf_counter()
         skip = [n.name for n in model.graph.node if exclude_scopes and re.search(exclude_scopes, _scope(n))]
         info = quantize_qdq(src, out_dir / f"{g}.int8.onnx", thresholds, calib_feeds=feeds[g][:1],
@@ -831,7 +902,8 @@ def int8_export(trained, out_dir, calib_windows: int = 256, batch: int = 4, trt_
         scales = info["scales"]
         cache = out_dir / f"{g}.calib.cache"
         write_cache(cache, {t: scales[t] for t in tensors if t in scales}, version)
-        detail = {t: {"amax": thresholds[t], "max": col.amax(t), "scale": scales[t]}
+        detail = {t: {"amax": thresholds[t], "max": col.amax(t), "scale": scales[t],
+                      "rule": f"max ({exact[t]})" if t in exact else method}
                   for t in tensors if t in scales}
         _write_json(out_dir / f"{g}.calib.json", {"method": method, "trt_version": str(trt_version),
                                                   "tensors": detail})
@@ -840,6 +912,7 @@ def int8_export(trained, out_dir, calib_windows: int = 256, batch: int = 4, trt_
             "file": f"{g}.int8.onnx", "bytes": (out_dir / f"{g}.int8.onnx").stat().st_size,
             "cache": cache.name, "thresholds_file": f"{g}.calib.json",
             "tensors_collected": len(col.names()), "tensors_quantized": len(scales),
+            "exact_range_at_max": {t: exact[t] for t in scales if t in exact},
             "zero_tensors": col.zero_tensors(),
             "nodes_quantized": len(info["quantized_nodes"]), "weights_quantized": info["weights"],
             "nodes_float": info["float_nodes"],

@@ -176,6 +176,25 @@ def graphs(t: Trained) -> dict[str, tuple[nn.Module, list[str]]]:
 # export, check, compare
 
 
+@contextlib.contextmanager
+def _exporter_quiet():
+    """Silence the exporter's chatter that says nothing about our graphs (torchvision ops it skips,
+    pytree deprecations, a dynamic-axis naming note); real errors still raise."""
+    import logging
+    import warnings
+
+    lg = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = lg.level
+    lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.filterwarnings("ignore", message=r".*axis name.*will not be used")
+            yield
+    finally:
+        lg.setLevel(level)
+
+
 def export_graph(module: nn.Module, inputs: dict[str, torch.Tensor], outputs: list[str], path: Path,
                  max_batch: int = 64, quiet: bool = True) -> float:
     """torch.onnx.export (dynamo) with a dynamic batch, checked, written atomically. Returns seconds."""
@@ -187,10 +206,14 @@ def export_graph(module: nn.Module, inputs: dict[str, torch.Tensor], outputs: li
     t0 = time.perf_counter()
     sink = io.StringIO()
     try:
-        with torch.no_grad(), contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext():
+        with torch.no_grad(), contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext(), \
+                _exporter_quiet() if quiet else contextlib.nullcontext():
             torch.onnx.export(module, tuple(inputs.values()), str(tmp), input_names=list(inputs),
                               output_names=outputs, dynamic_shapes=tuple({0: batch} for _ in inputs),
                               dynamo=True, external_data=False)
+        model = onnx.load(str(tmp))
+        if fold_weight_transposes(model):
+            onnx.save(model, str(tmp))
         onnx.checker.check_model(str(tmp), full_check=True)
         publish(tmp, path)
     except OSError as e:
@@ -202,6 +225,38 @@ def export_graph(module: nn.Module, inputs: dict[str, torch.Tensor], outputs: li
             raise
         raise ExportError(f"exporting {path.name} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
     return time.perf_counter() - t0
+
+
+def fold_weight_transposes(model) -> int:
+    """Replace every Transpose of an initializer by the transposed initializer, in place; returns
+    how many. The exporter leaves `Transpose(W)` in front of a MatMul where W is large (onnxscript's
+    constant folding skips big tensors), e.g. every linear layer the rollout reuses. Downstream that
+    would make W an activation: the INT8 step would calibrate it per tensor like data (clipping
+    weights) instead of quantizing it per channel as a weight. TensorRT would fold it anyway."""
+    from onnx import numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    folded = []
+    for n in g.node:
+        if n.op_type == "Transpose" and len(n.input) == 1 and n.input[0] in inits:
+            w = numpy_helper.to_array(inits[n.input[0]])
+            perm = next((list(a.ints) for a in n.attribute if a.name == "perm"), None)
+            g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(np.transpose(w, perm)), n.output[0]))
+            folded.append(n)
+    if not folded:
+        return 0
+    for n in folded:
+        g.node.remove(n)
+    done = {n.output[0] for n in folded}
+    keep_vi = [vi for vi in g.value_info if vi.name not in done]
+    del g.value_info[:]
+    g.value_info.extend(keep_vi)
+    used = {x for n in g.node for x in n.input} | {o.name for o in g.output}
+    unused = [i for i in g.initializer if i.name not in used]
+    for i in unused:
+        g.initializer.remove(i)
+    return len(folded)
 
 
 def session(path: Path, threads: int = 0):

@@ -605,3 +605,70 @@ def onnx_profile_shapes(onnx_path, min_batch: int, opt_batch: int, max_batch: in
             dims.append(int(d.dim_value) if d.HasField("dim_value") else -1)
         inputs.append((vi.name, tuple(dims)))
     return _profile_shapes(inputs, onnx_path, min_batch, opt_batch, max_batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# export.py's TensorRT step: build, compare with onnxruntime, time; or say what to run elsewhere
+
+
+def _agreement(got, ref) -> dict:
+    """Integer outputs (classes, codes): fraction equal. Float outputs: max |difference|."""
+    import numpy as np
+
+    got, ref = np.asarray(got), np.asarray(ref)
+    if got.shape != ref.shape:
+        return {"agreement": 0.0, "shape": list(got.shape), "expected_shape": list(ref.shape)}
+    if ref.dtype.kind in "iub":
+        return {"agreement": float((got.astype(np.int64) == ref.astype(np.int64)).mean())}
+    return {"max_abs_diff": float(np.abs(got.astype(np.float64) - ref.astype(np.float64)).max())}
+
+
+def deploy(onnx_files: Mapping[str, Path], feeds: Mapping[str, Mapping[str, Any]], *, max_batch: int,
+           opt_batch: int = 1, log: Callable[[str], None] = print, timing_iters: int = 50) -> dict:
+    """`export.py`'s TensorRT step for each `{graph name: ONNX file}` (the Q/DQ ONNX for INT8).
+
+    Where TensorRT and a GPU are here: build a strongly typed engine `<file stem>.engine` next to the
+    ONNX (batch profile 1 / `opt_batch` / `max_batch`), run it on `feeds[name]` (numpy arrays, as
+    onnxruntime takes them) with torch CUDA tensors as buffers, compare every output with
+    onnxruntime running the same ONNX, and time it at batch 1 and at the feed's batch. Otherwise log
+    one line saying why and the `trtexec` line of each graph for the target machine. Returns a
+    JSON-ready dict; a build or run that fails raises TrtError (one line)."""
+    import numpy as np
+    import torch
+
+    ok, why = available()
+    res: dict[str, Any] = {"available": ok, "why": why, "graphs": {}}
+    if not ok:
+        log(f"TensorRT engines not built: {why}. On the target machine run:")
+        for name, path in onnx_files.items():
+            engine = Path(path).with_suffix(".engine")
+            cmd = trtexec_command(path, engine, onnx_profile_shapes(path, 1, opt_batch, max_batch))
+            res["graphs"][name] = {"onnx": Path(path).name, "trtexec": cmd}
+            log(f"  {cmd}")
+        return res
+    from wm.export.onnx import session
+
+    log(f"TensorRT engines ({why}):")
+    for name, path in onnx_files.items():
+        path = Path(path)
+        engine = path.with_suffix(".engine")
+        info = build_engine(path, engine, min_batch=1, opt_batch=opt_batch, max_batch=max_batch)
+        runner = TrtRunner(engine)
+        feed = {k: np.ascontiguousarray(v) for k, v in feeds[name].items()}
+        got = runner(**{k: torch.from_numpy(v) for k, v in feed.items()})
+        ref = session(path).run(None, feed)
+        if len(ref) != len(runner.outputs):
+            raise TrtError(f"engine {engine} has outputs {runner.outputs}, onnxruntime gives {len(ref)} for {path}")
+        vs = {o: _agreement(got[o].cpu().numpy(), r) for o, r in zip(runner.outputs, ref)}
+        one = {k: torch.from_numpy(v[:1]) for k, v in feed.items()}
+        full = {k: torch.from_numpy(v) for k, v in feed.items()}
+        batch = int(next(iter(feed.values())).shape[0])
+        ms1, msb = runner.time(one, timing_iters), runner.time(full, timing_iters)
+        res["graphs"][name] = {"onnx": path.name, "engine": engine.name, "bytes": info["bytes"],
+                               "build_s": info["build_s"], "tensorrt": info["tensorrt"],
+                               "vs_onnxruntime": vs, "latency_ms": {"batch1": round(ms1, 3),
+                                                                   f"batch{batch}": round(msb, 3)}}
+        agree = " ".join(f"{o} {v.get('agreement', v.get('max_abs_diff')):.4g}" for o, v in vs.items())
+        log(f"  {engine.name:<28}{info['bytes'] / 2**20:7.1f} MiB  build {info['build_s']:6.1f} s  "
+            f"vs onnxruntime: {agree}  {ms1:.2f} ms (batch 1), {msb:.2f} ms (batch {batch})")
+    return res
