@@ -23,40 +23,19 @@ from wm.checkpoint import latest_checkpoint, load
 from wm.config import Config
 from wm.errors import DataError, WMError, run_cli
 
+from conftest import assert_same  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("restore_signals", "one_thread")
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    """In-process runs on one intra-op thread, as the subprocesses (OMP_NUM_THREADS=1): on a small
-    shared machine two spinning OpenMP threads make these tiny convolutions 10x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+
 
 
 # ---------------------------------------------------------------------------------------------
 # helpers
 
 
-def assert_same(a, b, where="state"):
-    """Recursive bitwise equality of checkpoint contents (tensors with torch.equal)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where} differs (max |diff| " \
-            f"{(a.double() - b.double()).abs().max().item() if a.is_floating_point() else 'int'})"
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"{where}: keys {sorted(a, key=str)} vs {sorted(b, key=str)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
+
 
 
 def ckpt_dir(run_dir: Path, stage: str = "tokenizer") -> Path:

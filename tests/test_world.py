@@ -225,3 +225,19 @@ def test_validate():
     with torch.no_grad():
         c, _ = m.eval().rollout(torch.zeros(1, 6, 8, 8, dtype=torch.long), torch.zeros(1, 6, 3), steps=3)
     assert c.shape == (1, 3, 8, 8)
+
+
+def test_short_causal_attention_is_sdpa_causal():
+    """The temporal layers' matmul attention computes what SDPA's causal attention does (float64)."""
+    import torch.nn.functional as F
+
+    from wm.world import short_causal_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(7, 4, 11, 16, dtype=torch.float64, generator=g) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(short_causal_attention(q, k, v), want, rtol=1e-12, atol=1e-12)
+    # causal: the first frame's output depends on nothing after it
+    v2 = v.clone()
+    v2[:, :, 1:] += 1.0
+    assert torch.equal(short_causal_attention(q, k, v2)[:, :, 0], short_causal_attention(q, k, v)[:, :, 0])

@@ -160,6 +160,15 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
     _atomic_write(path, lambda f: f.write(data))
 
 
+def sha256_file(path: Path) -> str:
+    """sha256 of a file (a checkpoint's identity: the world stage names its tokenizer by it)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def _read_json(path: Path) -> dict | None:
     try:
         d = json.loads(path.read_text())

@@ -63,6 +63,10 @@ class DataConfig:
     stride: int = 1
     window_step: int = 1
     use_mask: bool = False  # return the visibility mask (the manifest must have one)
+    # Which bits of the uint8 mask mean "visible": 0 = any nonzero value. tools/convert_occ3d.py
+    # stores Occ3D's two masks as bits (camera = 1, lidar = 2; see the manifest's mask_bits), so
+    # mask_bits=1 scores / trains on the camera mask, 2 on the lidar mask.
+    mask_bits: int = 0
     max_windows: int = 0  # >0: use only this many windows (evenly spread) per split, for smoke runs
     # Loader. batch_size is per rank.
     batch_size: int = 8
@@ -85,6 +89,8 @@ class DataConfig:
         return (self.window - 1) * self.stride + 1
 
     def validate(self) -> None:
+        if not 0 <= self.mask_bits <= 255:
+            raise ConfigError("mask_bits", f"{self.mask_bits} must be in [0, 255] (bits of the uint8 mask; 0 = any nonzero)")
         if len(self.grid) != 3 or min(self.grid) < 1:
             raise ConfigError("grid", f"{list(self.grid)} must be three positive sizes [X, Y, Z]")
         if self.grid[0] % 4 or self.grid[1] % 4:

@@ -121,7 +121,10 @@ class OccWindows(Dataset):
                "motion": torch.from_numpy(relative_motion(sh.pose[a:b:s], self.cfg.past - 1)),
                "index": torch.tensor(i, dtype=torch.int64)}
         if self.cfg.use_mask:
-            out["mask"] = torch.from_numpy(sh.read("mask", a, b, s))
+            m = sh.read("mask", a, b, s)
+            if self.cfg.mask_bits:  # one of several masks stored as bits (e.g. Occ3D camera / lidar)
+                m = ((m & self.cfg.mask_bits) != 0).view(np.uint8)
+            out["mask"] = torch.from_numpy(m)
         return out
 
 

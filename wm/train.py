@@ -42,12 +42,12 @@ from torch import nn
 
 import wm
 from wm import distributed as D
-from wm.checkpoint import Checkpointer, load as load_ckpt, latest_checkpoint, rng_state, set_rng_state
+from wm.checkpoint import Checkpointer, load as load_ckpt, latest_checkpoint, rng_state, set_rng_state, sha256_file
 from wm.config import Config, StageConfig, from_dict, load as load_config, save as save_config, to_dict
 from wm.data import CodeWindows, OccWindows, ResumableSampler, check_against_config, make_loader, resolve_root
 from wm.errors import ConfigError, WMError
 from wm.logs import Logger, eta
-from wm.metrics import ConfusionMatrix, copy_last
+from wm.evaluate import evaluate_run, forecast, reconstruction
 from wm.tokenizer import Tokenizer, count_parameters
 from wm.viz import bev, tile
 from wm.world import WorldModel
@@ -105,14 +105,6 @@ def make_optimizer(model: nn.Module, s: StageConfig, device: torch.device) -> to
     groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": other, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=s.lr, betas=tuple(s.betas),
                              fused=device.type == "cuda")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def git_commit() -> Optional[str]:
@@ -280,27 +272,13 @@ class TokenizerStage:
     @torch.no_grad()
     def evaluate(self, model: nn.Module, d: D.Dist, dtype, device) -> tuple[dict, list]:
         cfg = self.cfg
-        cm = ConfusionMatrix(cfg.data.num_classes, cfg.data.free_class, 1, device=device)
-        used = torch.zeros(unwrap(model).quantizer.size, device=device)
-        pics = []
-        for batch in eval_batches(self.val_ds, d, self.scfg.batch_size or cfg.data.batch_size, cfg):
-            occ = batch["occ"].to(device)[:, 0]
-            with autocast(device, dtype):
-                codes = model.encode(occ)
-                logits = model.decode(codes)
-            pred = logits.argmax(1)
-            cm.update(pred, occ)
-            used += torch.bincount(codes.flatten(), minlength=used.numel()).float()
-            if not pics and d.is_main and cfg.train.images:
-                pics = [("val/recon_gt_top_pred_bottom", [occ[:4].cpu().numpy(), pred[:4].cpu().numpy()])]
-        cm.reduce_(lambda t: D.all_reduce_(t, d))
-        D.all_reduce_(used, d)
-        s = cm.summary()
-        p = used / used.sum().clamp_min(1)
-        ent = -(p[p > 0] * p[p > 0].log()).sum()
+        batches = eval_batches(self.val_ds, d, self.scfg.batch_size or cfg.data.batch_size, cfg)
+        r = reconstruction(unwrap(model), batches, d, device, dtype, cfg.data.num_classes, cfg.data.free_class,
+                           keep_first=d.is_main and cfg.train.images)
+        pics = [("val/recon_gt_top_pred_bottom", r.first)] if r.first else []
+        s = r.cm.summary()
         return {"val/iou": s["iou"][0], "val/miou": s["miou"][0],
-                "val/code_usage": float((used > 0).float().mean()),
-                "val/perplexity": float(ent.exp())}, pics
+                "val/code_usage": r.code_usage, "val/perplexity": r.perplexity}, pics
 
 
 class WorldStage:
@@ -343,27 +321,15 @@ class WorldStage:
     def evaluate(self, model: nn.Module, d: D.Dist, dtype, device) -> tuple[dict, list]:
         """Roll out the future from the past frames' codes, decode, and score against the real
         occupancy per future step; the copy-last baseline on the same windows beside it."""
+
         cfg = self.cfg
-        P, S = cfg.data.past, cfg.data.future
-        m = unwrap(model)
-        ours = ConfusionMatrix(cfg.data.num_classes, cfg.data.free_class, S, device=device)
-        base = ConfusionMatrix(cfg.data.num_classes, cfg.data.free_class, S, device=device)
-        pics = []
-        for batch in eval_batches(self.val_ds, d, self.scfg.batch_size or cfg.data.batch_size, cfg):
-            occ, motion = batch["occ"].to(device), batch["motion"].to(device)
-            with autocast(device, dtype):
-                past_codes = self.tokenizer.encode(occ[:, :P])
-                given = motion[:, P:] if cfg.train.forecast_motion == "given" else None
-                codes, _ = m.rollout(past_codes, motion[:, :P], S, future_motion=given)
-                pred = self.tokenizer.decode(codes).argmax(2)  # (B, S, X, Y, Z)
-            mask = batch["mask"].to(device)[:, P:] if "mask" in batch else None
-            ours.update(pred, occ[:, P:], mask)
-            base.update(copy_last(occ[:, :P], S), occ[:, P:], mask)
-            if not pics and d.is_main and cfg.train.images:
-                pics = [("val/forecast_gt_top_pred_bottom", [occ[0, P:].cpu().numpy(), pred[0].cpu().numpy()])]
-        for cm in (ours, base):
-            cm.reduce_(lambda t: D.all_reduce_(t, d))
-        a, b = ours.summary(), base.summary()
+        S = cfg.data.future
+        batches = eval_batches(self.val_ds, d, self.scfg.batch_size or cfg.data.batch_size, cfg)
+        f = forecast(self.tokenizer, unwrap(model), batches, d, device, dtype, cfg.data.past, S,
+                     cfg.data.num_classes, cfg.data.free_class,
+                     given_motion=cfg.train.forecast_motion == "given", keep_first=d.is_main and cfg.train.images)
+        pics = [("val/forecast_gt_top_pred_bottom", f.first)] if f.first else []
+        a, b = f.ours.summary(), f.base.summary()
         out = {"val/iou": a["iou_avg"], "val/miou": a["miou_avg"],
                "val/copy_last_iou": b["iou_avg"], "val/copy_last_miou": b["miou_avg"]}
         for t in range(S):
@@ -423,10 +389,12 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
                 codes = tok.encode(occ)
             out[done:done + len(occ)] = codes.to(torch.int16).cpu().numpy()
             done += len(occ)
-            if d.is_main:
-                print(f"\rtoken cache: {done}/{frames.num_frames} frames encoded "
-                      f"({done / max(1e-9, time.time() - t0):.0f} frames/s)", end="", flush=True)
-        if d.is_main:
+            tty = sys.stdout.isatty()  # a log file gets a line per 10 %, not a line per batch
+            if d.is_main and (tty or done == frames.num_frames or
+                              done * 10 // frames.num_frames != (done - len(occ)) * 10 // frames.num_frames):
+                print(("\r" if tty else "") + f"token cache: {done}/{frames.num_frames} frames encoded "
+                      f"({done / max(1e-9, time.time() - t0):.0f} frames/s)", end="" if tty else "\n", flush=True)
+        if d.is_main and sys.stdout.isatty():
             print()
         out.flush()
         del out
@@ -442,6 +410,95 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
 
 # ---------------------------------------------------------------------------------------------
 # the loop
+
+
+class BatchStream:
+    """The loader as an endless stream of batches in the resumable sampler's order: where the loader
+    runs dry the next epoch starts, and a batch counts as consumed (`sampler.advance`) once it is
+    handed out, so at a step boundary the sampler's state is exactly where a resumed run continues."""
+
+    def __init__(self, loader, sampler: ResumableSampler, global_batch: int):
+        self.loader, self.sampler, self.global_batch = loader, sampler, global_batch
+        self.it = self._new_iter()
+
+    def _new_iter(self):
+        # a DataLoader iterator draws its workers' base seed from the global torch RNG; that draw
+        # must not shift the training RNG stream, or a resumed run (one more iterator, made at a
+        # point the uninterrupted run made none) would diverge from an uninterrupted one
+        with torch.random.fork_rng(devices=[]):
+            return iter(self.loader)
+
+    def __call__(self) -> dict:
+        while True:
+            try:
+                b = next(self.it)
+                break
+            except StopIteration:
+                if self.sampler.consumed:  # the loader's drop_last left a tail: that epoch is over
+                    self.sampler.set_epoch(self.sampler.epoch + 1)
+                self.it = self._new_iter()
+        self.sampler.advance(self.global_batch)
+        return b
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one optimizer step tells the loop. Tensors stay on the device (no host sync for them)."""
+
+    terms: dict  # the loss terms (0-dim tensors), averaged over the micro-batches
+    grad_norm: torch.Tensor  # before clipping
+    skipped: bool  # loss or gradient non-finite on some rank: nothing was updated
+    preempt: bool  # some rank got SIGTERM/SIGINT: stop at this step boundary
+    data_wait_s: float  # host seconds spent waiting for batches (loader + copy to the device)
+    samples: int  # samples trained on in this step, all ranks together
+    batch: dict  # the last micro-batch, on the device (count_flops measures with it)
+
+
+def train_step(stage, model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+               next_batch, s: StageConfig, device: torch.device, dtype, d: D.Dist,
+               ddp: Optional[nn.Module] = None, fwd: Optional[nn.Module] = None) -> StepResult:
+    """One optimizer step: the body of fit's loop, and what tools/bench_train.py times.
+
+    `s.grad_accum` micro-batches from `next_batch()` under autocast, the loss scaled by the
+    (fp16-only) GradScaler; DDP syncs gradients on the last micro-batch only. Then unscale, clip,
+    and one all-reduced flag pair [non-finite loss or gradient, stop signal] (one collective and one
+    host sync per step). A non-finite step is dropped (gradients zeroed, nothing updated) except
+    under fp16, whose GradScaler skips inf steps itself and lowers its scale; otherwise step, update
+    the scaler, and the stage's after_step (the tokenizer's dead-code reset).
+
+    `model` is the plain module, `ddp` its DistributedDataParallel wrapper (when world > 1), `fwd`
+    what the forward goes through (ddp, or torch.compile of it). The caller sets the learning rate."""
+    ddp = model if ddp is None else ddp
+    fwd = ddp if fwd is None else fwd
+    terms: dict[str, torch.Tensor] = {}
+    wait, samples = 0.0, 0
+    for micro in range(s.grad_accum):
+        t0 = time.perf_counter()
+        b = to_device(next_batch(), device)
+        wait += time.perf_counter() - t0
+        sync = micro == s.grad_accum - 1
+        with (ddp.no_sync() if d.active and not sync else contextlib.nullcontext()):
+            with autocast(device, dtype):
+                out = stage.loss(fwd, b)
+            scaler.scale(out["loss"] / s.grad_accum).backward()
+        for k, v in out.items():  # kept on the device: no host sync per micro-step
+            if v.ndim == 0:
+                terms[k] = terms.get(k, 0) + v.detach().float() / s.grad_accum
+        samples += stage.samples(b) * d.world_size
+    scaler.unscale_(opt)
+    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip if s.clip > 0 else float("inf"))
+    flags = torch.stack([(~torch.isfinite(terms["loss"]) | ~torch.isfinite(gnorm)).float(),
+                         torch.tensor(float(_STOP["flag"]), device=device)])
+    bad, preempt = (bool(x) for x in D.all_reduce_(flags, d, op="max").tolist())
+    skipped = bad and dtype != torch.float16
+    if skipped:
+        opt.zero_grad(set_to_none=True)
+    else:
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        stage.after_step(model, d)
+    return StepResult(terms, gnorm, skipped, preempt, wait, samples, b)
 
 
 def fit(run: Run, stage, device: torch.device, dtype) -> dict:
@@ -509,56 +566,22 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
             state["tokenizer"] = {"path": str(stage.tok_path), "sha256": stage.tok_sha}
         ckpt.save(state, step, metrics)
 
-    def new_iter():
-        # a DataLoader iterator draws its workers' base seed from the global torch RNG; that draw
-        # must not shift the training RNG stream, or a resumed run (one more iterator, made at a
-        # point the uninterrupted run made none) would diverge from an uninterrupted one
-        with torch.random.fork_rng(devices=[]):
-            return iter(loader)
-
-    it = new_iter()
-
-    def next_batch():
-        nonlocal it
-        while True:
-            try:
-                return next(it)
-            except StopIteration:
-                if sampler.consumed:  # the loader's drop_last left a tail: that epoch is over
-                    sampler.set_epoch(sampler.epoch + 1)
-                it = new_iter()
+    next_batch = BatchStream(loader, sampler, batch * d.world_size)
 
     nonfinite, t_last, samples_since, wait_since = 0, time.perf_counter(), 0, 0.0
     t_start, step_start, flops_per_sample = time.perf_counter(), step, None
     stop_reason = None
     model.train()
     while step < total:
-        # ---- one optimizer step: grad_accum micro-batches, gradients synced on the last only
+        # ---- one optimizer step (train_step: grad_accum micro-batches, the all-ranks finite
+        # check that also carries the stop signal, clip, update); the schedule is the loop's
         for g in opt.param_groups:
             g["lr"] = s.lr * lr_factor(step, total, s)
-        terms: dict[str, torch.Tensor] = {}
-        for micro in range(s.grad_accum):
-            t0 = time.perf_counter()
-            b = to_device(next_batch(), device)
-            wait_since += time.perf_counter() - t0
-            sync = micro == s.grad_accum - 1
-            with (ddp.no_sync() if d.active and not sync else contextlib.nullcontext()):
-                with autocast(device, dtype):
-                    out = stage.loss(fwd, b)
-                scaler.scale(out["loss"] / s.grad_accum).backward()
-            for k, v in out.items():  # kept on the device: no host sync per micro-step
-                if v.ndim == 0:
-                    terms[k] = terms.get(k, 0) + v.detach().float() / s.grad_accum
-            sampler.advance(batch * d.world_size)
-            samples_since += stage.samples(b) * d.world_size
-        scaler.unscale_(opt)
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip if s.clip > 0 else float("inf"))
-        # one collective and one host sync per step: [non-finite here, a stop signal here]
-        flags = torch.stack([(~torch.isfinite(terms["loss"]) | ~torch.isfinite(gnorm)).float(),
-                             torch.tensor(float(_STOP["flag"]), device=device)])
-        bad, preempt = (bool(x) for x in D.all_reduce_(flags, d, op="max").tolist())
-        if bad and dtype != torch.float16:  # fp16: GradScaler skips inf steps and lowers its scale
-            opt.zero_grad(set_to_none=True)
+        r = train_step(stage, model, opt, scaler, next_batch, s, device, dtype, d, ddp=ddp, fwd=fwd)
+        terms, gnorm, preempt, b = r.terms, r.grad_norm, r.preempt, r.batch
+        wait_since += r.data_wait_s
+        samples_since += r.samples
+        if r.skipped:  # nothing was updated; too many in a row and the run stops here
             nonfinite += 1
             # numbered like every other record of this step (the counter moves on below)
             log.scalars(step + 1, {"train/nonfinite_steps": nonfinite}, kind=f"{stage.name}/skip")
@@ -572,10 +595,6 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
                               f"{stage.name}_stage.lr, check the data, or try train.amp=fp32")
         else:
             nonfinite = 0
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-            stage.after_step(model, d)
         step += 1
 
         # ---- logging
@@ -688,6 +707,19 @@ def parse_args(argv=None):
     ap.add_argument("--fresh", action="store_true", help="start over: move the existing run folder aside")
     ap.add_argument("--allow-new-data", action="store_true",
                     help="resume even though the data set's fingerprint changed")
+    ev = ap.add_argument_group("evaluation (--eval-only: OccWorld's protocol, see wm/evaluate.py)")
+    ev.add_argument("--eval-only", action="store_true",
+                    help="train nothing: evaluate the run's best (else newest) checkpoints, print a table, write JSON")
+    ev.add_argument("--ckpt", help="evaluate this checkpoint (a world-model one brings its tokenizer, hash-checked)")
+    ev.add_argument("--stage", choices=("tokenizer", "world", "all"),
+                    help="which stages to evaluate (default: train.stages, or the stage of --ckpt)")
+    ev.add_argument("--split", help="the split to evaluate (default: data.val_split)")
+    ev.add_argument("--mask",
+                    help="visibility mask: none (default, OccWorld's protocol) or a mask the data set has (mask)")
+    ev.add_argument("--mode", choices=("occworld", "exclude"),
+                    help="classes absent from the ground truth: occworld (default: IoU 100%%, OccWorld's) or exclude")
+    ev.add_argument("--horizons", help="forecast horizons in seconds, reported with their average (default: 1,2,3)")
+    ev.add_argument("--json", help="where to write the report (default: <run>/eval/<stages>_<split>_<mode>.json)")
     return ap.parse_args(argv)
 
 
@@ -740,8 +772,12 @@ def make_summary(cfg: Config, results: dict) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    stray = [f for f in ("ckpt", "stage", "split", "mask", "mode", "horizons", "json") if getattr(args, f) is not None]
+    if stray and not args.eval_only:
+        raise WMError(f"--{stray[0]} belongs to evaluation; add --eval-only (training ignores it)")
     cfg = load_config(args.cfg, args.set)
-    install_signal_handlers()
+    if not args.eval_only:  # evaluation keeps the default Ctrl-C: nothing to save
+        install_signal_handlers()
     d = D.init(cfg.train.device, cfg.train.timeout_s)
     broken = False
     try:
@@ -752,6 +788,9 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
+        if args.eval_only:
+
+            return evaluate_run(cfg, d, device, dtype, args)
         run = Run(cfg, d, fresh=args.fresh, allow_new_data=args.allow_new_data)
         if run.resuming:
             run.say(f"resuming run {run.dir}")

@@ -1,0 +1,244 @@
+"""tools/bench_train.py on a CPU: the figures it writes, and that the step it times is train.py's step
+(wm.train.train_step equals the loop body it was extracted from, and the bench's set-up equals fit's)."""
+
+import contextlib
+import importlib.util
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import wm.train as T
+from wm import distributed as D
+from wm.checkpoint import latest_checkpoint, load
+from wm.config import load as load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+from conftest import assert_same  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("restore_signals", "one_thread")
+
+
+
+
+
+@pytest.fixture(scope="module")
+def B():
+    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "tools" / "bench_train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def sets(args: list[str]) -> list[str]:
+    """The KEY=VALUE items of a `--set` argument list."""
+    return [v for k, v in zip(args, args[1:]) if k == "--set"]
+
+
+
+
+
+# ---------------------------------------------------------------------------------------------
+# the figures
+
+
+def test_bench_writes_every_figure_with_sane_values(tiny, tmp_path, B):
+    out = tmp_path / "bench.json"
+    args = tiny.args(out="bench") + ["--steps", "2", "--warmup", "1", "--batches", "1,2",
+                                     "--variants", "fp32-b1,bf16,onthefly,save", "--json", str(out)]
+    t = time.perf_counter()
+    assert B.main(args) == 0
+    took = time.perf_counter() - t
+    d = json.loads(out.read_text())
+    assert not list((tiny.base / "bench").glob(".bench-train-*")), "the bench's run folder was left behind"
+
+    assert d["machine"]["world_size"] == 1 and d["peaks_tflops"]["fp32"] > 0
+    got = {(r["stage"], r["variant"]): r for r in d["results"]}
+    assert set(got) == {("tokenizer", "fp32-b1"), ("tokenizer", "bf16"), ("tokenizer", "save"),
+                        ("world", "fp32-b1"), ("world", "bf16"), ("world", "onthefly"), ("world", "save")}
+    assert [r["batch"] for r in d["sweeps"]["tokenizer"]] == [1, 2]
+    assert [r["batch"] for r in d["sweeps"]["world"]] == [1, 2]
+    assert got["tokenizer", "fp32-b1"]["batch"] == 10  # OccWorld's batch 1: one 10-frame sample
+    assert got["world", "fp32-b1"]["batch"] == 1
+    for (stage, v), r in got.items():
+        assert r["status"] == "ok", r
+        if v == "save":
+            assert r["sync_save_s"] > 0 and r["async_blocked_s"] > 0 and r["async_write_s"] > 0
+            assert r["blocked_ratio"] == pytest.approx(r["async_blocked_s"] / r["sync_save_s"])
+            assert len(r["async_blocked_s_all"]) == 3 and r["checkpoint_mib"] > 0
+            continue
+        assert r["amp"] == ("fp32" if "fp32" in v else "bf16")
+        assert r["step_ms"] > 0 and r["step_ms_median"] > 0 and r["samples_per_s"] > 0
+        # samples/s is what the timed steps trained on over their time
+        assert r["samples_per_s"] == pytest.approx(r["batch"] / (r["step_ms"] / 1e3), rel=1e-6)
+        assert 0 <= r["data_wait_frac"] <= 1
+        assert r["flops_per_sample"] > 0
+        assert r["flops_per_step"] == pytest.approx(r["flops_per_sample"] * r["global_batch"])
+        assert r["tflops_per_s"] == pytest.approx(r["flops_per_sample"] * r["samples_per_s"] / 1e12)
+        assert r["mfu"] == pytest.approx(r["tflops_per_s"] / d["peaks_tflops"]["fp32"]) and r["mfu_peak"] == "fp32"
+        assert r["max_mem_gib"] is None and r["act_mem_gib"] is None  # no CUDA memory on a CPU
+        assert math.isfinite(r["loss"]) and r["skipped_steps"] == 0 and r["steps"] == 2
+    assert got["world", "onthefly"]["data"].startswith("occupancy") and got["world", "bf16"]["data"] == "token cache"
+
+    x = d["extrapolation"]
+    assert x["tokenizer_frames"] == 200 * 700 * 5 * 10 and x["world_windows"] == 200 * 700 * 5
+    assert x["occworld_code_gpu_hours"] == pytest.approx(67.7, abs=0.1)  # DESIGN §7: ~68 H200-hours
+    best_tok = max(r["samples_per_s"] for (s, v), r in got.items() if s == "tokenizer" and v != "save")
+    assert x["tokenizer"]["samples_per_s"] == best_tok
+    assert x["tokenizer"]["gpu_hours"] == pytest.approx(x["tokenizer_frames"] / best_tok / 3600)
+    assert x["world"]["window_frames"] == 4 and "gpu_hours_scaled_to_occworld_windows" in x["world"]
+    assert x["gpu_hours"] > 0
+    assert d["checks"] and all(isinstance(ok, bool) for ok in d["checks"].values())
+
+    # FLOPs: wm.train.count_flops of a batch of the same shape through the same stage
+    cfg = load_config(None, sets(tiny.args(out="flops")))
+    d1 = D.Dist()
+    run = T.Run(cfg, d1)
+    B.ensure_tokenizer_checkpoint(run, d1)
+    tok = T.TokenizerStage(run)
+    world = T.WorldStage(run, torch.device("cpu"), None)
+    for stage, rec in ((tok, got["tokenizer", "bf16"]), (world, got["world", "fp32-b1"]),
+                       (B.OnTheFlyWorld(world), got["world", "onthefly"])):
+        batch = next(iter(torch.utils.data.DataLoader(stage.train_ds, batch_size=rec["batch"])))
+        dtype = torch.bfloat16 if rec["amp"] == "bf16" else None
+        flops = T.count_flops(stage, stage.model, batch, torch.device("cpu"), dtype)
+        assert rec["flops_per_sample"] == flops, (rec["stage"], rec["variant"])
+    run.log.close()
+    print(f"bench took {took:.1f} s")
+
+
+def test_scaling_report_divides_samples_per_s(tmp_path, B, capsys):
+    def fake(ws, sps):
+        return {"machine": {"world_size": ws},
+                "results": [{"stage": "world", "variant": "bf16", "status": "ok", "batch": 4, "samples_per_s": sps}]}
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(fake(1, 10.0)))
+    b.write_text(json.dumps(fake(2, 19.5)))
+    assert B.main(["--scaling", str(a), str(b)]) == 0
+    text = capsys.readouterr().out
+    assert "1.95x" in text and "PASS  world bf16" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# the step it times is train.py's
+
+
+def test_bench_runner_reproduces_fit_bitwise(tiny, B):
+    # grad_accum 2 (no_sync path, loss scaling), dead-code resets every step (the torch RNG),
+    # the warm-up + cosine schedule: the bench's Runner must build and step exactly as fit does
+    over = dict(tokenizer_stage__max_steps=4, tokenizer_stage__grad_accum=2)
+    assert T.main(tiny.args(**over)) == 0
+    ref = load(latest_checkpoint(tiny.run_dir() / "tokenizer" / "checkpoints"))
+    assert ref["step"] == 4
+
+    cfg = load_config(None, sets(tiny.args(out="runner", **over)))
+    d = D.Dist()
+    run = T.Run(cfg, d)
+    runner = B.Runner(T.TokenizerStage(run), cfg, d, torch.device("cpu"), None)
+    for _ in range(4):
+        r = runner.step()
+        assert not r.skipped and r.samples == 4 and 0 <= r.data_wait_s
+    runner.close()
+    run.log.close()
+    assert_same(ref["model"], runner.model.state_dict(), "model")
+    assert_same(ref["optimizer"], runner.opt.state_dict(), "optimizer")
+    assert ref["sampler"] == runner.sampler.state_dict()
+
+
+def old_loop_body(stage, cfg, d, device, dtype, steps):
+    """fit's set-up and step before train_step was extracted (verbatim, minus logging, validation
+    and checkpoints): the reference the extracted step must reproduce bitwise."""
+    s = stage.scfg
+    model = stage.model.to(device)
+    batch = s.batch_size or cfg.data.batch_size
+    opt = T.make_optimizer(model, s, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    sampler = T.ResumableSampler(len(stage.train_ds), d.world_size, d.rank, seed=cfg.run.seed, drop_last=True)
+    loader = T.make_loader(stage.train_ds, sampler, cfg.data, drop_last=True, batch_size=batch)
+    per_rank_batches = len(stage.train_ds) // d.world_size // batch
+    total = s.max_steps or s.epochs * (per_rank_batches // s.grad_accum)
+    T.seed_all(cfg.run.seed * 1000 + d.rank)
+    ddp = fwd = model
+
+    def new_iter():
+        with torch.random.fork_rng(devices=[]):
+            return iter(loader)
+
+    it = new_iter()
+
+    def next_batch():
+        nonlocal it
+        while True:
+            try:
+                return next(it)
+            except StopIteration:
+                if sampler.consumed:
+                    sampler.set_epoch(sampler.epoch + 1)
+                it = new_iter()
+
+    model.train()
+    step = 0
+    while step < steps:
+        for g in opt.param_groups:
+            g["lr"] = s.lr * T.lr_factor(step, total, s)
+        terms = {}
+        for micro in range(s.grad_accum):
+            b = T.to_device(next_batch(), device)
+            sync = micro == s.grad_accum - 1
+            with (ddp.no_sync() if d.active and not sync else contextlib.nullcontext()):
+                with T.autocast(device, dtype):
+                    out = stage.loss(fwd, b)
+                scaler.scale(out["loss"] / s.grad_accum).backward()
+            for k, v in out.items():
+                if v.ndim == 0:
+                    terms[k] = terms.get(k, 0) + v.detach().float() / s.grad_accum
+            sampler.advance(batch * d.world_size)
+        scaler.unscale_(opt)
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip if s.clip > 0 else float("inf"))
+        flags = torch.stack([(~torch.isfinite(terms["loss"]) | ~torch.isfinite(gnorm)).float(),
+                             torch.tensor(float(T._STOP["flag"]), device=device)])
+        bad, preempt = (bool(x) for x in D.all_reduce_(flags, d, op="max").tolist())
+        if bad and dtype != torch.float16:
+            opt.zero_grad(set_to_none=True)
+        else:
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            stage.after_step(model, d)
+        step += 1
+    return model, opt, sampler, terms, gnorm
+
+
+@pytest.mark.parametrize("stage_name", ["tokenizer", "world"])
+def test_train_step_equals_the_loop_body_it_replaced(tiny, B, stage_name):
+    over = {f"{stage_name}_stage__grad_accum": 2, "train__stages": "tokenizer,world"}
+    d, cpu, steps = D.Dist(), torch.device("cpu"), 7  # 7 steps of 2 x 2 samples: across an epoch's end
+
+    def make(out):
+        c = load_config(None, sets(tiny.args(out=out, **over)))
+        run = T.Run(c, d)
+        if stage_name == "tokenizer":
+            return c, run, T.TokenizerStage(run)
+        B.ensure_tokenizer_checkpoint(run, d)
+        return c, run, T.WorldStage(run, cpu, None)
+
+    c_old, run_old, st_old = make("old")
+    model_o, opt_o, sampler_o, terms_o, gnorm_o = old_loop_body(st_old, c_old, d, cpu, None, steps)
+    c_new, run_new, st_new = make("new")
+    runner = B.Runner(st_new, c_new, d, cpu, None)
+    for _ in range(steps):
+        r = runner.step()
+    runner.close()
+    for run in (run_old, run_new):
+        run.log.close()
+    assert_same(model_o.state_dict(), runner.model.state_dict(), "model")
+    assert_same(opt_o.state_dict(), runner.opt.state_dict(), "optimizer")
+    assert sampler_o.state_dict() == runner.sampler.state_dict()
+    assert sampler_o.epoch == 1  # the stream crossed an epoch boundary
+    assert_same({k: v for k, v in terms_o.items()}, r.terms, "terms")
+    assert torch.equal(gnorm_o, r.grad_norm)

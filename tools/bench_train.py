@@ -1,0 +1,809 @@
+"""Training throughput of the real training step, per variant: precision and batch, torch.compile,
+activation checkpointing, token cache vs encoding on the fly, and what a checkpoint save blocks.
+
+    python tools/bench_train.py --cfg configs/occworld.json --set synthetic.compression=gzip1 --json one.json
+    torchrun --nproc_per_node 2 tools/bench_train.py --cfg configs/occworld.json \\
+        --set synthetic.compression=gzip1 --variants fp32-b1,bf16 --batches 8 --json two.json
+    python tools/bench_train.py --scaling one.json two.json     # samples/s on 2 GPUs over 1, per variant
+    python tools/bench_train.py --set train.device=cpu --variants fp32-b1,bf16 --steps 3 --warmup 1  # a CPU
+
+Every variant times `wm.train.train_step`, the body of train.py's loop (grad_accum micro-batches,
+DDP no_sync, autocast, GradScaler, clipping, the all-reduced finite check, AdamW, after_step), fed
+by the same sampler, DataLoader and BatchStream as `fit`, after `--warmup` steps. Reported per
+variant: step time (ms; the timed span ends with a CUDA synchronize), samples/s (all ranks; the
+tokenizer's samples are frames), TFLOP/s and MFU (FLOPs of one step counted with
+torch.utils.flop_counter through wm.train.count_flops, over the bf16 matrix-product peak this script
+measures on the same card in the same run with a big matmul; fp32 variants also against the
+fp32 peak as train.py runs it, i.e. with TF32; on a CPU the fp32 peak), max allocated memory (GiB,
+reset per variant; "act" = that peak minus what was allocated before the timed steps), and the
+data-wait fraction (host time the step waited for the loader, over the total). The on-the-fly
+variants' FLOPs include the frozen encoder's forward: it is work the step does.
+
+Variants (`--variants`, comma-separated; each runs for every stage of `--stages`):
+  fp32-b1           OccWorld's own recipe: fp32 (TF32 matmuls on CUDA, as train.py), batch 1 in
+                    OccWorld's units: one 10-frame sample (10 frames) for the tokenizer, one window
+                    for the world model. The baseline.
+  bf16              bf16 autocast at each batch of `--batches` in turn (default 1,2,4,...,64 on
+                    CUDA, the config's batch on a CPU; a CUDA out-of-memory ends the sweep
+                    cleanly); the best samples/s is kept and is "the best batch" below.
+  bf16-compile      the best batch with torch.compile (train.compile=true).
+  bf16-ckpt1        the best batch with activation checkpointing on every block.
+  bf16-ckptk        ... on every k-th block (`--ckpt-k`, default 2).
+  onthefly          world only: the best batch without the token cache, occupancy windows encoded by
+                    the frozen tokenizer (no grad) each step, then the same loss (what OccWorld does).
+  onthefly-fp32-b1  world only: OccWorld's recipe as it runs: fp32, batch 1, encoder every step.
+  save              checkpoint save of the best batch's training state (model, AdamW, sampler, RNG):
+                    the time the loop is blocked per save with the async Checkpointer (training goes
+                    on between saves until the background write is done) vs a synchronous
+                    torch.save (+ fsync) of the same state, into the bench's run folder.
+Variants that use "the best batch" take the largest of `--batches` when `bf16` is not run. The
+default is every variant (on a CPU all but bf16-compile, whose compilation takes minutes there).
+A variant that fails for another reason than memory is reported as an error and the rest still run.
+
+The world stage needs a tokenizer checkpoint: the bench writes a randomly initialised one (timing
+does not need a trained tokenizer) and builds the token cache from it with wm.train's
+build_token_cache. The bench's run folder is a temporary folder under run.out_dir (same disk as real
+runs, for the save timing), removed at the end; the data set is the config's (data.root, or the
+built-in synthetic scenes: pass `--set synthetic.compression=gzip1`, or `synthetic.format=memmap`,
+where hdf5plugin is missing).
+
+DDP: under torchrun every rank runs every variant, rank 0 prints and writes the JSON; samples/s is
+global, step time the slowest rank's, memory the largest. Give the batch the 1-GPU run found
+(`--batches 8`): an out-of-memory on one rank only would leave the other waiting in a collective
+until train.timeout_s. `--scaling a.json b.json` then prints b's samples/s over a's per variant.
+
+The extrapolation: OccWorld's whole recipe (wzzheng/OccWorld: config/train_vqvae.py,
+config/train_occworld.py, dataset/dataset.py) is 200 tokenizer epochs and 200 world-model epochs,
+where an epoch is 5 random windows per nuScenes train scene (`nuScenesSceneDatasetLidar`, times=5:
+700 x 5 = 3500 samples), 10-frame samples for the tokenizer (7.0 M frames in all) and 16-frame
+windows for the world model (700 k windows). Hours = those counts over the best measured samples/s
+of each stage; GPU-hours = hours x GPUs. OccWorld's own code at 67.6 frames/s and 5.0 windows/s
+(DESIGN.md §7, H200) needs 28.8 + 38.9 = 67.7 H200-hours by the same count. The world model's cost
+grows with the window: for the like-for-like figure run with 16-frame windows
+(`--set data.future=11` with data.past=5); otherwise the report also scales the world hours by
+15 / (input frames) as a rough figure.
+"""
+
+import argparse
+import copy
+import gc
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import wm.train as T  # noqa: E402
+from wm import distributed as D  # noqa: E402
+from wm.checkpoint import Checkpointer, latest_checkpoint, rng_state  # noqa: E402
+from wm.config import load as load_config, to_dict  # noqa: E402
+from wm.data import ResumableSampler, make_loader  # noqa: E402
+from wm.errors import WMError, run_cli  # noqa: E402
+from wm.tokenizer import Tokenizer  # noqa: E402
+
+VARIANTS = ("fp32-b1", "bf16", "bf16-compile", "bf16-ckpt1", "bf16-ckptk", "onthefly", "onthefly-fp32-b1", "save")
+WORLD_ONLY = ("onthefly", "onthefly-fp32-b1")
+
+# OccWorld's recipe as its code counts it (see the module docstring)
+OCCWORLD = {"train_scenes": 700, "samples_per_scene": 5, "tokenizer_epochs": 200, "world_epochs": 200,
+            "tokenizer_frames_per_sample": 10, "world_window_frames": 16,
+            # OccWorld's own code, one H200 (DESIGN.md §7): fp32 batch 1
+            "ref_card": "H200", "ref_tokenizer_frames_per_s": 67.6, "ref_world_samples_per_s": 5.0}
+TARGETS = {"speedup_vs_occworld": 10.0, "mfu": 0.30, "gpu_hours": 8.0, "data_wait": 0.05,
+           "ckpt_blocked_ratio": 0.10, "ckpt_act_mem_ratio": 1 / 3, "ckpt_time_ratio": 1.25, "ddp_scaling": 1.9}
+
+
+def say(d, *a, **k):
+    if d.is_main:
+        print(*a, **k, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# the matrix-product peak, measured here
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, reps: int) -> float:
+    """Best of three timings of `reps` n x n x n matmuls, in TFLOP/s."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    c = torch.empty(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        torch.mm(a, b, out=c)
+    sync()
+    best = math.inf
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b, out=c)
+        sync()
+        best = min(best, (time.perf_counter() - t) / reps)
+    del a, b, c
+    return 2 * n ** 3 / best / 1e12
+
+
+def measure_peaks(device: torch.device) -> dict:
+    """{"bf16": .., "fp32": ..} TFLOP/s on CUDA (fp32 with TF32 allowed, as train.py runs fp32);
+    {"fp32": ..} on a CPU."""
+    if device.type != "cuda":
+        return {"fp32": matmul_tflops(device, torch.float32, 1024, 5)}
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        peaks = {"bf16": matmul_tflops(device, torch.bfloat16, 8192, 30),
+                 "fp32": matmul_tflops(device, torch.float32, 8192, 10)}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    torch.cuda.empty_cache()
+    return peaks
+
+
+# ---------------------------------------------------------------------------------------------
+# the world stage without its token cache
+
+
+class OnTheFlyWorld:
+    """The world stage fed occupancy windows instead of the token cache: each step encodes them with
+    the frozen tokenizer (no grad, under the step's autocast), then the same loss (WorldStage.loss)."""
+
+    name = "world"
+
+    def __init__(self, ws: T.WorldStage):
+        self.ws, self.cfg, self.scfg, self.model = ws, ws.cfg, ws.scfg, ws.model
+        self.tok_path, self.tok_sha = ws.tok_path, ws.tok_sha
+        self.train_ds = ws.windows  # OccWindows: occ uint8 (T, X, Y, Z), motion
+
+    def loss(self, model: nn.Module, batch: dict) -> dict:
+        with torch.no_grad():
+            codes = self.ws.tokenizer.encode(batch["occ"])  # (B, T, h, w)
+        return self.ws.loss(model, {"codes": codes, "motion": batch["motion"]})
+
+    def samples(self, batch: dict) -> int:
+        return batch["occ"].shape[0]
+
+    def after_step(self, model: nn.Module, d: D.Dist) -> None:
+        self.ws.after_step(model, d)
+
+
+# ---------------------------------------------------------------------------------------------
+# what fit builds for a stage, and its step
+
+
+class Runner:
+    """fit's set-up for one stage, minus validation, checkpoints and logging: the model on the device,
+    AdamW, the GradScaler, the resumable sampler, the DataLoader and BatchStream, the same seeding,
+    DDP when world > 1 and torch.compile when train.compile. `step()` sets the scheduled learning
+    rate and runs wm.train.train_step: the loop's step, nothing else."""
+
+    def __init__(self, stage, cfg, d: D.Dist, device: torch.device, dtype):
+        s = self.s = stage.scfg
+        self.stage, self.cfg, self.d, self.device, self.dtype = stage, cfg, d, device, dtype
+        self.model = stage.model.to(device)
+        self.batch = s.batch_size or cfg.data.batch_size
+        self.opt = T.make_optimizer(self.model, s, device)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        self.sampler = ResumableSampler(len(stage.train_ds), d.world_size, d.rank, seed=cfg.run.seed, drop_last=True)
+        self.loader = make_loader(stage.train_ds, self.sampler, cfg.data, drop_last=True, batch_size=self.batch)
+        per_rank_batches = len(stage.train_ds) // d.world_size // self.batch
+        if per_rank_batches < s.grad_accum:
+            raise WMError(f"{stage.name}: {len(stage.train_ds)} training samples give {per_rank_batches} "
+                          f"batches of {self.batch} per rank, fewer than grad_accum={s.grad_accum}; use "
+                          "a smaller batch or more data (synthetic.train_scenes)")
+        self.total = s.max_steps or s.epochs * (per_rank_batches // s.grad_accum)
+        T.seed_all(cfg.run.seed * 1000 + d.rank)
+        self.ddp = nn.parallel.DistributedDataParallel(
+            self.model, device_ids=[device.index] if device.type == "cuda" else None) if d.active else self.model
+        self.fwd = torch.compile(self.ddp) if cfg.train.compile else self.ddp
+        self.next_batch = T.BatchStream(self.loader, self.sampler, self.batch * d.world_size)
+        self.step_no = 0
+        self.model.train()
+
+    def step(self) -> T.StepResult:
+        for g in self.opt.param_groups:
+            g["lr"] = self.s.lr * T.lr_factor(self.step_no, self.total, self.s)
+        r = T.train_step(self.stage, self.model, self.opt, self.scaler, self.next_batch, self.s,
+                         self.device, self.dtype, self.d, ddp=self.ddp, fwd=self.fwd)
+        self.step_no += 1
+        return r
+
+    def state(self) -> dict:
+        """What fit checkpoints (every rank takes part: the RNG states are gathered)."""
+        rng = D.gather_objects(rng_state(), self.d)
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                "scaler": self.scaler.state_dict(), "sampler": self.sampler.state_dict(),
+                "step": self.step_no, "epoch": self.sampler.epoch, "rng": rng, "config": to_dict(self.cfg)}
+
+    def close(self) -> None:
+        self.next_batch.it = None  # ends the loader's worker processes
+        self.loader = self.next_batch = None
+
+
+# ---------------------------------------------------------------------------------------------
+# one variant
+
+
+class Bench:
+    def __init__(self, run: T.Run, d: D.Dist, device: torch.device, a, peaks: dict):
+        self.run, self.d, self.device, self.a, self.peaks = run, d, device, a, peaks
+        self.cuda = device.type == "cuda"
+
+    def variant_cfg(self, stage: str, amp: str, batch: int, compile_: bool = False, ckpt_every: int = 0):
+        cfg = copy.deepcopy(self.run.cfg)
+        cfg.train.amp, cfg.train.compile = amp, compile_
+        getattr(cfg, stage).checkpoint_every = ckpt_every  # tokenizer / world section
+        getattr(cfg, f"{stage}_stage").batch_size = batch
+        return cfg.validate()
+
+    def make_stage(self, stage: str, cfg, dtype, onthefly: bool = False):
+        vrun = copy.copy(self.run)  # the same folder, data and logger; this variant's config
+        vrun.cfg = cfg
+        vrun.say = lambda *a, **k: None
+        if stage == "tokenizer":
+            return T.TokenizerStage(vrun)
+        ws = T.WorldStage(vrun, self.device, dtype)
+        return OnTheFlyWorld(ws) if onthefly else ws
+
+    def free(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def _agree(self, value: float, op: str) -> float:
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        return float(D.all_reduce_(t, self.d, op=op).item())
+
+    def measure(self, stage: str, name: str, cfg, onthefly: bool = False) -> dict:
+        """Build the variant, warm up, count the FLOPs of a step, time `--steps` steps."""
+        a, d, device = self.a, self.d, self.device
+        dtype = T.amp_dtype(cfg, device)
+        st = self.make_stage(stage, cfg, dtype, onthefly)
+        runner = Runner(st, cfg, d, device, dtype)
+        try:
+            warmup = max(a.warmup, 3) if cfg.train.compile else a.warmup
+            r = None
+            for _ in range(warmup):
+                r = runner.step()
+            if r is None:
+                r = runner.step()
+            # FLOPs of one sample's forward + backward on a batch of this variant's shape (the plain
+            # module: no compile, no recomputation from activation checkpointing: the model's FLOPs)
+            flops_per_sample = T.count_flops(st, runner.model, r.batch, device, dtype)
+            if self.cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
+            per_step, wait, samples, skipped = [], 0.0, 0, 0
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                ts = time.perf_counter()
+                r = runner.step()  # ends in a host sync (the finite check), so host times are real
+                per_step.append(time.perf_counter() - ts)
+                wait += r.data_wait_s
+                samples += r.samples
+                skipped += r.skipped
+            if self.cuda:
+                torch.cuda.synchronize(device)
+            total = time.perf_counter() - t0
+            loss = float(r.terms["loss"])
+            peak = torch.cuda.max_memory_allocated(device) if self.cuda else None
+        finally:
+            runner.close()
+        # every rank's figures -> one: the slowest rank's time, the largest memory and wait
+        total = self._agree(total, "max")
+        wait_frac = self._agree(wait / total, "max")
+        median = self._agree(statistics.median(per_step), "max")
+        if peak is not None:
+            act = self._agree((peak - before) / 2**30, "max")
+            peak = self._agree(peak / 2**30, "max")
+        else:
+            act = None
+        sps = samples / total
+        achieved = flops_per_sample * sps  # all ranks together
+        s = getattr(cfg, f"{stage}_stage")
+        prec = "fp32" if dtype is None else {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+        rec = {"stage": stage, "variant": name, "status": "ok", "amp": prec, "batch": runner.batch,
+               "grad_accum": s.grad_accum, "global_batch": runner.batch * s.grad_accum * d.world_size,
+               "world_size": d.world_size, "compile": cfg.train.compile,
+               "checkpoint_every": getattr(cfg, stage).checkpoint_every,
+               "data": ("occupancy windows, encoded each step" if onthefly else
+                        "token cache" if stage == "world" else "occupancy frames"),
+               "window_frames": 1 if stage == "tokenizer" else cfg.data.window,
+               "steps": a.steps, "warmup": warmup,
+               "step_ms": 1e3 * total / a.steps, "step_ms_median": 1e3 * median,
+               "samples_per_s": sps, "flops_per_sample": flops_per_sample,
+               "flops_per_step": flops_per_sample * runner.batch * s.grad_accum * d.world_size,
+               "tflops_per_s": achieved / 1e12, "max_mem_gib": peak, "act_mem_gib": act,
+               "data_wait_frac": wait_frac, "loss": loss, "skipped_steps": skipped}
+        ref = "bf16" if "bf16" in self.peaks else "fp32"
+        rec["mfu"] = achieved / (self.peaks[ref] * 1e12 * d.world_size)
+        rec["mfu_peak"] = ref
+        if prec == "fp32" and ref != "fp32":  # fp32 (TF32) steps also against their own peak
+            rec["mfu_fp32_peak"] = achieved / (self.peaks["fp32"] * 1e12 * d.world_size)
+        return rec
+
+    def profile(self, stage: str, cfg, steps: int, top: int = 15) -> dict:
+        """`steps` training steps under torch.profiler after warm-up: the top kernels by device time
+        and the device time split by kind of kernel (what a missed target is explained with)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        dtype = T.amp_dtype(cfg, self.device)
+        st = self.make_stage(stage, cfg, dtype)
+        runner = Runner(st, cfg, self.d, self.device, dtype)
+        try:
+            for _ in range(max(self.a.warmup, 2)):
+                runner.step()
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+            t0 = time.perf_counter()
+            with profile(activities=acts) as prof:
+                for _ in range(steps):
+                    runner.step()
+                if self.cuda:
+                    torch.cuda.synchronize(self.device)
+            wall = time.perf_counter() - t0
+        finally:
+            runner.close()
+        attr = "device_time_total" if self.cuda else "cpu_time_total"
+        # on CUDA: kernels only (device-side events); on a CPU: the operators
+        events = [e for e in prof.key_averages()
+                  if not self.cuda or (e.device_type.name == "CUDA" and not e.key.startswith("cuda"))]
+        rows = sorted(((e.key, getattr(e, attr, 0) or 0, e.count) for e in events), key=lambda r: -r[1])
+        busy = sum(r[1] for r in rows) if self.cuda else None
+        kinds = {"gemm/conv": r"gemm|conv|cutlass|xmma|sm\d+_|wgrad|dgrad|implicit|cudnn|nvjet",
+                 "attention": r"flash|fmha|attention|sdpa|efficient",
+                 "norm": r"norm|welford", "optimizer": r"adam|foreach|multi_tensor",
+                 "copy/cast": r"copy|cast|convert|memcpy|memset|fill|cat|index"}
+        split = {}
+        if self.cuda:
+            for k, t, _ in rows:
+                kind = next((n for n, rx in kinds.items() if re.search(rx, k, re.I)), "elementwise/other")
+                split[kind] = split.get(kind, 0) + t
+        return {"stage": stage, "batch": getattr(cfg, f"{stage}_stage").batch_size, "steps": steps,
+                "wall_ms_per_step": 1e3 * wall / steps,
+                "device_busy_ms_per_step": busy / 1e3 / steps if busy else None,
+                "top": [{"kernel": k[:120], "ms_per_step": t / 1e3 / steps, "calls_per_step": c / steps}
+                        for k, t, c in rows[:top]],
+                "split_ms_per_step": {k: v / 1e3 / steps for k, v in sorted(split.items(), key=lambda x: -x[1])}}
+
+    def attempt(self, stage: str, name: str, cfg, onthefly: bool = False) -> dict:
+        """measure() (save_variant() for "save"), with a CUDA out-of-memory or another failure
+        turned into a record (every rank agrees on it)."""
+        status = "ok"
+        try:
+            rec = self.save_variant(stage, cfg) if name == "save" else self.measure(stage, name, cfg, onthefly)
+        except Exception as e:  # the traceback (and the tensors its frames hold) dies with this block
+            if isinstance(e, WMError):
+                raise
+            # out of memory ends a batch sweep; anything else (a compiler failure, ...) is reported
+            # and the other variants still run: the bench runs unattended
+            status = "oom" if is_oom(e) else f"error: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+            if status != "oom":
+                traceback.print_exc()
+        self.free()
+        if cfg.train.compile:
+            torch._dynamo.reset()
+        # every rank takes the same path: 0 ok, 1 error, 2 out of memory on some rank
+        code = self._agree({"ok": 0, "oom": 2}.get(status, 1), "max")
+        if code:
+            s = getattr(cfg, f"{stage}_stage")
+            return {"stage": stage, "variant": name, "batch": s.batch_size, "amp": cfg.train.amp,
+                    "status": "oom" if code == 2 else (status if status != "ok" else "error on another rank"),
+                    "compile": cfg.train.compile, "checkpoint_every": getattr(cfg, stage).checkpoint_every,
+                    "world_size": self.d.world_size}
+        return rec
+
+    # -- checkpoint save: the loop's blocked time, async vs synchronous
+
+    def save_variant(self, stage: str, cfg) -> dict:
+        a, d, device = self.a, self.d, self.device
+        dtype = T.amp_dtype(cfg, device)
+        st = self.make_stage(stage, cfg, dtype)
+        runner = Runner(st, cfg, d, device, dtype)
+        folder = self.run.dir / "bench_saves" / stage
+        try:
+            for _ in range(max(1, a.warmup)):  # AdamW's state exists from the first step
+                runner.step()
+            # a synchronous torch.save (+ fsync) of the same state: what the loop would wait for
+            sync_s, size = [], 0
+            for i in range(a.saves):
+                t = time.perf_counter()  # both ways timed from the state's gathering on
+                state = runner.state()
+                if d.is_main:
+                    folder.mkdir(parents=True, exist_ok=True)
+                    path = folder / f"sync_{i}.pt"
+                    with open(path, "wb") as f:
+                        torch.save(state, f)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    sync_s.append(time.perf_counter() - t)
+                    size = path.stat().st_size
+                    path.unlink()
+                del state
+                runner.step()
+            # the async Checkpointer as fit uses it: state copied to CPU, written in the background
+            # while training goes on (at least --save-gap steps, and until the write is done, as
+            # with train.ckpt_every steps between saves)
+            ck = Checkpointer(folder / "async", keep_last=2, async_save=True) if d.is_main else None
+            blocked, write_s, gap_ms = [], [], []
+            for i in range(a.saves):
+                t = time.perf_counter()
+                state = runner.state()
+                if ck:
+                    ck.save(state, i + 1)
+                blocked.append(time.perf_counter() - t)
+                del state
+                n = 0
+                while n < a.save_gap or D.any_rank(bool(ck and getattr(ck, "_thread", None) is not None
+                                                        and ck._thread.is_alive()), d):
+                    ts = time.perf_counter()
+                    runner.step()
+                    gap_ms.append(1e3 * (time.perf_counter() - ts))
+                    n += 1
+                    if n >= 10000:
+                        break
+                if ck:
+                    ck.wait()
+                    write_s.append(ck.last_write_s)
+            if ck:
+                ck.close()
+        finally:
+            runner.close()
+            if d.is_main:
+                shutil.rmtree(folder, ignore_errors=True)
+        rec = {"stage": stage, "variant": "save", "status": "ok", "batch": runner.batch, "amp": cfg.train.amp,
+               "world_size": d.world_size, "saves": a.saves, "checkpoint_mib": size / 2**20}
+        if d.is_main:
+            rec.update({"sync_save_s": statistics.median(sync_s), "async_blocked_s": statistics.median(blocked),
+                        "async_blocked_s_all": blocked, "async_write_s": statistics.median(write_s),
+                        "step_ms_between_saves": statistics.median(gap_ms) if gap_ms else None})
+            rec["blocked_ratio"] = rec["async_blocked_s"] / rec["sync_save_s"]
+        return rec
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def is_oom(e: BaseException) -> bool:
+    """A CUDA out-of-memory, also where a library reports it as its own allocation failure."""
+    text = str(e)
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in text or "ALLOC_FAILED" in text
+
+
+def best_of(results: list, stage: str):
+    ok = [r for r in results if r["stage"] == stage and r.get("status") == "ok" and "samples_per_s" in r]
+    return max(ok, key=lambda r: r["samples_per_s"]) if ok else None
+
+
+def find(results: list, stage: str, variant: str):
+    return next((r for r in results if r["stage"] == stage and r["variant"] == variant and r.get("status") == "ok"), None)
+
+
+def extrapolate(results: list) -> dict:
+    o = OCCWORLD
+    per_epoch = o["train_scenes"] * o["samples_per_scene"]
+    need = {"tokenizer": o["tokenizer_epochs"] * per_epoch * o["tokenizer_frames_per_sample"],  # frames
+            "world": o["world_epochs"] * per_epoch}  # windows
+    out = {"assumption": f"OccWorld's count: {o['train_scenes']} train scenes x {o['samples_per_scene']} random "
+                         f"windows per epoch; tokenizer {o['tokenizer_epochs']} epochs of "
+                         f"{o['tokenizer_frames_per_sample']}-frame samples, world model {o['world_epochs']} "
+                         f"epochs of {o['world_window_frames']}-frame windows",
+           "tokenizer_frames": need["tokenizer"], "world_windows": need["world"]}
+    ref_h = (need["tokenizer"] / o["ref_tokenizer_frames_per_s"] + need["world"] / o["ref_world_samples_per_s"]) / 3600
+    out["occworld_code_gpu_hours"] = ref_h
+    total, complete = 0.0, True
+    for stage in ("tokenizer", "world"):
+        b = best_of(results, stage)
+        if b is None:
+            complete = False
+            continue
+        hours = need[stage] / b["samples_per_s"] / 3600
+        e = {"variant": b["variant"], "batch": b["batch"], "samples_per_s": b["samples_per_s"],
+             "world_size": b["world_size"], "hours": hours, "gpu_hours": hours * b["world_size"]}
+        if stage == "world":
+            e["window_frames"] = b["window_frames"]
+            if b["window_frames"] != o["world_window_frames"]:
+                scale = (o["world_window_frames"] - 1) / max(1, b["window_frames"] - 1)
+                e["gpu_hours_scaled_to_occworld_windows"] = e["gpu_hours"] * scale
+                e["note"] = (f"measured on {b['window_frames']}-frame windows, OccWorld trains on "
+                             f"{o['world_window_frames']}: scaled by input frames ({scale:.2f}x); run with "
+                             "16-frame windows (--set data.future=11) for the like-for-like figure")
+        out[stage] = e
+        total += e.get("gpu_hours_scaled_to_occworld_windows", e["gpu_hours"])
+    out["gpu_hours"] = total if complete else None
+    return out
+
+
+def checks(results: list, extra: dict, cuda: bool, card: str) -> list:
+    out = []
+    o = OCCWORLD
+    for stage, ref in (("tokenizer", o["ref_tokenizer_frames_per_s"]), ("world", o["ref_world_samples_per_s"])):
+        b = best_of(results, stage)
+        if b is None:
+            continue
+        if cuda:
+            out.append((f"{stage}: best {b['samples_per_s']:.1f}/s >= {TARGETS['speedup_vs_occworld']:.0f}x "
+                        f"OccWorld's fp32 batch-1 {ref}/s (its code on an {o['ref_card']}; this card: {card})",
+                        b["samples_per_s"] / b["world_size"] >= TARGETS["speedup_vs_occworld"] * ref))
+            out.append((f"{stage}: best MFU {100 * b['mfu']:.1f}% >= {100 * TARGETS['mfu']:.0f}%",
+                        b["mfu"] >= TARGETS["mfu"]))
+        out.append((f"{stage}: data wait {100 * b['data_wait_frac']:.1f}% < {100 * TARGETS['data_wait']:.0f}% "
+                    f"of the step ({b['variant']})", b["data_wait_frac"] < TARGETS["data_wait"]))
+        off = find(results, stage, "bf16")
+        ck = find(results, stage, "bf16-ckpt1")
+        if cuda and off and ck and off["act_mem_gib"]:
+            ratio_m, ratio_t = ck["act_mem_gib"] / off["act_mem_gib"], ck["step_ms"] / off["step_ms"]
+            out.append((f"{stage}: checkpointing every block: {100 * ratio_m:.0f}% of the activation memory "
+                        f"(<= 33%) for {100 * (ratio_t - 1):+.0f}% time (<= +25%)",
+                        ratio_m <= TARGETS["ckpt_act_mem_ratio"] and ratio_t <= TARGETS["ckpt_time_ratio"]))
+        sv = find(results, stage, "save")
+        if sv and "blocked_ratio" in sv:
+            out.append((f"{stage}: a save blocks the loop {1e3 * sv['async_blocked_s']:.0f} ms = "
+                        f"{100 * sv['blocked_ratio']:.1f}% of a synchronous torch.save "
+                        f"({1e3 * sv['sync_save_s']:.0f} ms) <= {100 * TARGETS['ckpt_blocked_ratio']:.0f}%",
+                        sv["blocked_ratio"] <= TARGETS["ckpt_blocked_ratio"]))
+    cache, fly = find(results, "world", "bf16"), find(results, "world", "onthefly")
+    if cache and fly:
+        out.append((f"world: token cache {cache['samples_per_s']:.1f}/s vs encoding on the fly "
+                    f"{fly['samples_per_s']:.1f}/s ({cache['samples_per_s'] / fly['samples_per_s']:.2f}x)",
+                    cache["samples_per_s"] > fly["samples_per_s"]))
+    if cuda and extra.get("gpu_hours") is not None:
+        out.append((f"OccWorld's recipe in {extra['gpu_hours']:.1f} GPU-hours <= {TARGETS['gpu_hours']:.0f}",
+                    extra["gpu_hours"] <= TARGETS["gpu_hours"]))
+    return out
+
+
+def table(results: list) -> str:
+    head = (f"{'stage':<10}{'variant':<18}{'amp':>5}{'batch':>6}{'ms/step':>10}{'samples/s':>11}{'TFLOP/s':>9}"
+            f"{'MFU':>7}{'mem GiB':>9}{'act GiB':>9}{'data wait':>10}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if r["variant"] == "save":
+            if "sync_save_s" in r:
+                lines.append(f"{r['stage']:<10}{'save':<18}{r['amp']:>5}{r['batch']:>6}   blocked "
+                             f"{1e3 * r['async_blocked_s']:.1f} ms per async save vs {1e3 * r['sync_save_s']:.1f} ms "
+                             f"sync torch.save ({100 * r['blocked_ratio']:.1f}%), {r['checkpoint_mib']:.1f} MiB, "
+                             f"background write {1e3 * r['async_write_s']:.0f} ms")
+            continue
+        if r.get("status") != "ok":
+            lines.append(f"{r['stage']:<10}{r['variant']:<18}{str(r.get('amp')):>5}{str(r.get('batch')):>6}   {r['status']}")
+            continue
+        mem = f"{r['max_mem_gib']:>9.2f}{r['act_mem_gib']:>9.2f}" if r["max_mem_gib"] is not None else f"{'n/a':>9}{'n/a':>9}"
+        lines.append(f"{r['stage']:<10}{r['variant']:<18}{r['amp']:>5}{r['batch']:>6}{r['step_ms']:>10.1f}"
+                     f"{r['samples_per_s']:>11.2f}{r['tflops_per_s']:>9.3g}{100 * r['mfu']:>6.1f}%{mem}"
+                     f"{100 * r['data_wait_frac']:>9.1f}%")
+    return "\n".join(lines)
+
+
+def scaling_report(a_path: str, b_path: str) -> int:
+    a, b = (json.loads(Path(p).read_text()) for p in (a_path, b_path))
+    wa, wb = a["machine"]["world_size"], b["machine"]["world_size"]
+    print(f"samples/s of {b_path} ({wb} GPUs) over {a_path} ({wa} GPUs), per variant "
+          f"(target for 2 over 1: >= {TARGETS['ddp_scaling']}x)")
+    print(f"{'stage':<10}{'variant':<18}{'batch/GPU':>10}{'samples/s a':>13}{'samples/s b':>13}{'ratio':>8}{'per GPU':>9}")
+    ok_all, n = True, 0
+    for rb in b["results"]:
+        ra = find(a["results"], rb["stage"], rb["variant"])
+        if ra is None or rb.get("status") != "ok" or "samples_per_s" not in rb:
+            continue
+        ratio = rb["samples_per_s"] / ra["samples_per_s"]
+        eff = ratio * wa / wb
+        same = "" if ra["batch"] == rb["batch"] else f"  (batch per GPU {ra['batch']} vs {rb['batch']}: not comparable)"
+        print(f"{rb['stage']:<10}{rb['variant']:<18}{rb['batch']:>10}{ra['samples_per_s']:>13.2f}"
+              f"{rb['samples_per_s']:>13.2f}{ratio:>7.2f}x{100 * eff:>8.0f}%{same}")
+        n += 1
+        if wa == 1 and wb == 2 and not same:
+            ok = ratio >= TARGETS["ddp_scaling"]
+            ok_all &= ok
+            print(f"{'PASS' if ok else 'FAIL'}  {rb['stage']} {rb['variant']}: {ratio:.2f}x >= {TARGETS['ddp_scaling']}x")
+    if not n:
+        raise WMError(f"{a_path} and {b_path} have no variant in common")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cfg", help="config JSON (default: the demo)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    ap.add_argument("--stages", default="tokenizer,world", help="tokenizer,world or one of them")
+    ap.add_argument("--variants", default=None,
+                    help=f"subset of {','.join(VARIANTS)} (default: all; on a CPU all but bf16-compile, "
+                         "whose compilation takes minutes there)")
+    ap.add_argument("--batches", default=None,
+                    help="per-GPU batches the bf16 sweep tries, in order (tokenizer: frames; world: windows); "
+                         "default 1,2,4,8,16,32,64 on CUDA, the config's stage batch on a CPU")
+    ap.add_argument("--ckpt-k", type=int, default=2, help="checkpoint every k-th block in the bf16-ckptk variant")
+    ap.add_argument("--steps", type=int, default=15, help="timed steps per variant")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile: at least 3)")
+    ap.add_argument("--saves", type=int, default=3, help="saves timed in the save variant, each way")
+    ap.add_argument("--save-gap", type=int, default=3, help="training steps at least between two async saves")
+    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON (rank 0)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the variants: N steps of the best bf16 batch under torch.profiler per "
+                         "stage; prints the top kernels and the GPU time split by kind (into the JSON too)")
+    ap.add_argument("--scaling", nargs=2, metavar=("A.json", "B.json"),
+                    help="no benchmark: print B's samples/s over A's per variant (e.g. 2 GPUs over 1)")
+    a = ap.parse_args(argv)
+    if not a.scaling:
+        a.stages = [s for s in a.stages.split(",") if s]
+        a.variants = None if a.variants is None else [v for v in a.variants.split(",") if v]
+        bad = [s for s in a.stages if s not in ("tokenizer", "world")] + [v for v in a.variants or () if v not in VARIANTS]
+        if bad:
+            ap.error(f"unknown stage or variant {bad}; stages: tokenizer, world; variants: {', '.join(VARIANTS)}")
+        try:
+            a.batches = None if a.batches is None else [int(b) for b in a.batches.split(",") if b]
+        except ValueError:
+            ap.error(f"--batches {a.batches!r} must be integers, e.g. 1,2,4,8")
+        if a.batches == [] or min(a.batches or [1]) < 1 or a.steps < 1 or a.warmup < 0 or a.saves < 1 or a.ckpt_k < 1:
+            ap.error("--batches, --steps, --saves, --ckpt-k must be >= 1 and --warmup >= 0")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.scaling:
+        return scaling_report(*a.scaling)
+    cfg = load_config(a.cfg, a.set)
+    cfg.train.tensorboard, cfg.train.images = False, False
+    d = D.init(cfg.train.device, cfg.train.timeout_s)
+    base = None
+    try:
+        device = d.device
+        cuda = device.type == "cuda"
+        if cuda:  # as train.py
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+            if not torch.cuda.is_bf16_supported():
+                raise WMError("this GPU has no bf16; the bf16 variants need it")
+        # the bench's run folder: beside real runs (same disk: the save timing means something)
+        if d.is_main:
+            Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
+            base = tempfile.mkdtemp(prefix=".bench-train-", dir=cfg.run.out_dir)
+        base = D.broadcast_object(base, d)
+        cfg.run.out_dir, cfg.run.name = base, "bench"
+        run = T.Run(cfg, d)
+        card = torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine()
+        peaks = measure_peaks(device)
+        peaks = D.broadcast_object(peaks, d)
+        say(d, f"{card}, {d.world_size} process(es); matmul peak measured: "
+            + ", ".join(f"{k} {v:.3g} TFLOP/s" for k, v in peaks.items()), file=sys.stderr)
+        bench = Bench(run, d, device, a, peaks)
+        if a.variants is None:
+            a.variants = [v for v in VARIANTS if cuda or v != "bf16-compile"]
+        results, sweeps, profiles = [], {}, {}
+        tok_frames = OCCWORLD["tokenizer_frames_per_sample"]
+        for stage in a.stages:
+            if stage == "world":
+                ensure_tokenizer_checkpoint(run, d)
+            base_batch = {"tokenizer": tok_frames, "world": 1}[stage]  # "batch 1" in OccWorld's units
+
+            def report(rec):
+                results.append(rec)
+                if rec.get("status") == "ok" and "samples_per_s" in rec:
+                    say(d, f"  {stage} {rec['variant']} batch {rec['batch']}: {rec['step_ms']:.1f} ms/step, "
+                        f"{rec['samples_per_s']:.2f} samples/s, MFU {100 * rec['mfu']:.1f}%", file=sys.stderr)
+                else:
+                    say(d, f"  {stage} {rec['variant']}: {rec.get('status')}", file=sys.stderr)
+
+            batches = a.batches or ([1, 2, 4, 8, 16, 32, 64] if cuda else
+                                    [getattr(cfg, f"{stage}_stage").batch_size or cfg.data.batch_size])
+            best_batch = max(batches)
+            for v in a.variants:
+                if stage == "tokenizer" and v in WORLD_ONLY:
+                    continue
+                if v == "fp32-b1":
+                    report(bench.attempt(stage, v, bench.variant_cfg(stage, "fp32", base_batch)))
+                elif v == "onthefly-fp32-b1":
+                    report(bench.attempt(stage, v, bench.variant_cfg(stage, "fp32", base_batch), onthefly=True))
+                elif v == "bf16":
+                    sweep = []
+                    for b in batches:
+                        rec = bench.attempt(stage, v, bench.variant_cfg(stage, "bf16", b))
+                        sweep.append(rec)
+                        say(d, f"  {stage} bf16 batch {b}: " + (f"{rec['samples_per_s']:.2f} samples/s"
+                                                                 if rec["status"] == "ok" else rec["status"]),
+                            file=sys.stderr)
+                        if rec["status"] != "ok":
+                            break  # a larger batch will not fit either
+                    sweeps[stage] = sweep
+                    ok = [r for r in sweep if r["status"] == "ok"]
+                    if not ok:
+                        results.append(sweep[0])
+                        continue
+                    top = max(ok, key=lambda r: r["samples_per_s"])
+                    best_batch = top["batch"]
+                    results.append(top)
+                elif v == "bf16-compile":
+                    report(bench.attempt(stage, v, bench.variant_cfg(stage, "bf16", best_batch, compile_=True)))
+                elif v == "bf16-ckpt1":
+                    report(bench.attempt(stage, v, bench.variant_cfg(stage, "bf16", best_batch, ckpt_every=1)))
+                elif v == "bf16-ckptk":
+                    report(bench.attempt(stage, v, bench.variant_cfg(stage, "bf16", best_batch, ckpt_every=a.ckpt_k)))
+                elif v == "onthefly":
+                    report(bench.attempt(stage, v, bench.variant_cfg(stage, "bf16", best_batch), onthefly=True))
+                elif v == "save":
+                    report(bench.attempt(stage, v, bench.variant_cfg(stage, "bf16", best_batch)))
+
+            if a.profile:
+                p = bench.profile(stage, bench.variant_cfg(stage, "bf16" if cuda else "fp32", best_batch), a.profile)
+                profiles[stage] = p
+                if d.is_main:
+                    print(f"\nprofile, {stage} stage, batch {p['batch']}: {p['wall_ms_per_step']:.1f} ms/step wall"
+                          + (f", GPU busy {p['device_busy_ms_per_step']:.1f} ms/step" if p["device_busy_ms_per_step"] else ""))
+                    for kind, ms in p["split_ms_per_step"].items():
+                        print(f"  {kind:<20}{ms:9.2f} ms/step")
+                    for r in p["top"]:
+                        print(f"  {r['ms_per_step']:9.2f} ms/step  {r['calls_per_step']:6.1f}x  {r['kernel']}")
+
+        extra = extrapolate(results)
+        found = checks(results, extra, cuda, card)
+        if d.is_main:
+            print(f"\n{a.cfg or 'demo config'}: {card}, {d.world_size} {'GPU(s)' if cuda else 'process(es)'}, "
+                  f"torch {torch.__version__}; "
+                  f"{a.steps} timed steps after {a.warmup} warm-up; batch = per GPU (tokenizer: frames, world: windows "
+                  f"of {cfg.data.window} frames); MFU over the measured {'bf16' if cuda else 'fp32'} matmul peak "
+                  f"({peaks['bf16' if cuda else 'fp32']:.3g} TFLOP/s{' per GPU' if cuda else ''})")
+            print(table(results))
+            print(f"\nOccWorld's recipe ({extra['assumption']}):")
+            for stage in ("tokenizer", "world"):
+                e = extra.get(stage)
+                if e:
+                    more = (f" ({e['gpu_hours_scaled_to_occworld_windows']:.1f} scaled to "
+                            f"{OCCWORLD['world_window_frames']}-frame windows)" if "note" in e else "")
+                    print(f"  {stage:<10} {e['samples_per_s']:.2f}/s ({e['variant']}, batch {e['batch']}): "
+                          f"{e['gpu_hours']:.2f} GPU-hours{more}")
+            if extra["gpu_hours"] is not None:
+                print(f"  total {extra['gpu_hours']:.2f} GPU-hours (OccWorld's own code: "
+                      f"{extra['occworld_code_gpu_hours']:.1f} {OCCWORLD['ref_card']}-hours)")
+            for name, ok in found:
+                print(f"{'PASS' if ok else 'FAIL'}  {name}")
+            if a.json:
+                out = {"machine": {"device": card, "world_size": d.world_size, "cpus": os.cpu_count(),
+                                   "torch": torch.__version__, "cuda": torch.version.cuda,
+                                   "platform": platform.platform()},
+                       "settings": {"cfg": a.cfg, "set": a.set, "stages": a.stages, "variants": a.variants,
+                                    "batches": a.batches or "default", "steps": a.steps, "warmup": a.warmup,
+                                    "ckpt_k": a.ckpt_k, "saves": a.saves, "save_gap": a.save_gap},
+                       "peaks_tflops": peaks, "results": results, "sweeps": sweeps,
+                       "extrapolation": extra, "checks": {n: ok for n, ok in found}, "profiles": profiles}
+                Path(a.json).write_text(json.dumps(out, indent=1))
+                print(f"wrote {a.json}")
+        D.barrier(d)
+        run.log.close()
+        return 0
+    finally:
+        if d.is_main and base:
+            shutil.rmtree(base, ignore_errors=True)
+        D.close(d)
+
+
+def ensure_tokenizer_checkpoint(run: T.Run, d: D.Dist) -> None:
+    """A randomly initialised tokenizer checkpoint for the world stage (timing needs no trained one)."""
+    folder = run.stage_dir("tokenizer") / "checkpoints"
+    if d.is_main and latest_checkpoint(folder) is None:
+        cfg = run.cfg
+        torch.manual_seed(cfg.run.seed)
+        tok = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
+        with Checkpointer(folder, async_save=False) as ck:
+            ck.save({"model": tok.state_dict(), "stage": "tokenizer", "config": to_dict(cfg)}, 0)
+    D.barrier(d)
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,177 @@
+"""Convert your own recordings (per-frame occupancy grids + poses) into a wm data set.
+
+    python tools/convert_frames.py --root recordings --out data/mine --classes road,car,building,free --free free
+    python tools/convert_frames.py --root recordings --out data/mine --classes-json classes.json --val-scenes drive_07
+
+Layout: one folder per scene; every folder name is a scene name. Hidden names (.x) are ignored.
+
+    recordings/
+      drive_01/
+        poses.csv            # or poses.json (exactly one of them)
+        000000.npy           # one occupancy grid per frame: (X, Y, Z) integer class ids
+        000000.mask.npy      # optional visibility mask (nonzero = visible), same shape
+        000001.npy           # .npz works too: the array --key (default 'semantics' if
+        ...                  #   present, else the first array); masks: --mask-key in the same .npz
+
+Every frame of every scene must have the same grid (X, Y, Z); ids must be in [0, number of classes).
+Frames are matched to poses by the 'frame' column (the file name without .npy/.npz/.mask.npy) when
+the poses file has one; without it, rows are matched one-to-one to the frame files sorted by name
+(zero-pad numbers: 000010 after 000009), and the timestamps must then increase down the file.
+Frames are stored in timestamp order.
+
+poses.csv: a header row naming the columns, then one row per frame; '#' lines are comments.
+    timestamp,frame,m00,m01,m02,m03,m10,...,m33    4x4 ego->global matrix, row-major (16 numbers)
+    timestamp,frame,x,y,z,yaw                      position in metres, yaw in radians about +z
+  ('frame' is optional.)
+poses.json: a list of objects (or {"poses": [...]}), each
+    {"timestamp": 12.5, "frame": "000025", "matrix": [[...4 rows...]] or 16 numbers}  or
+    {"timestamp": 12.5, "frame": "000025", "x": 1.0, "y": 2.0, "z": 0.0, "yaw": 0.1}
+Timestamps are in seconds unless --time-unit ms|us|ns; they are stored as int64 microseconds.
+A matrix must be a rigid transform: rotation orthonormal (|R^T R - I| <= 1e-3), det +1, last row
+0 0 0 1.
+
+Classes: --classes a,b,c --free c (name or id), or --classes-json FILE:
+    {"class_names": ["road", "car", "building", "free"], "free_class": "free",
+     "voxel_size": [0.4, 0.4, 0.4], "range": [-40, -40, -1, 40, 40, 5.4], "frame_rate_hz": 10}
+(voxel_size, range, frame_rate_hz optional; --voxel-size/--range/--frame-rate override. Defaults:
+0.4 m voxels, a range centred on the ego in x/y from z = -1 m, the frame rate from the median
+timestamp step.)
+
+Split: --val-scenes a,b names the validation scenes; otherwise --val-fraction (default 0.1) of the
+scenes, chosen deterministically (ranked by the sha256 of their names; at least one).
+
+Masks are stored as bit 0 (value 1) of the shard's mask field ("visible"); data.use_mask=true uses
+them. Resumable, --skip-bad, --verify, --format, --compression, --workers: as tools/convert_occ3d.py.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from wm.convert import (TIME_UNITS, VISIBLE_BITS, add_writer_args, convert_and_report, frames_scenes,  # noqa: E402
+                        median_rate, peek_grid)
+from wm.errors import DataError, run_cli  # noqa: E402
+from wm.shards import DatasetInfo  # noqa: E402
+
+CLASS_KEYS = ("class_names", "free_class", "voxel_size", "range", "frame_rate_hz")
+
+
+def classes_from_args(a) -> dict:
+    """{"class_names", "free_class" (id), maybe "voxel_size", "range", "frame_rate_hz"}."""
+    if bool(a.classes) == bool(a.classes_json):
+        raise DataError("give the classes either as --classes a,b,c --free NAME or as --classes-json FILE")
+    if a.classes_json:
+        p = Path(a.classes_json)
+        try:
+            d = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise DataError(f"--classes-json {p}: no such file") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{p}: not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise DataError(f"{p}: expected an object with {', '.join(CLASS_KEYS)}")
+        unknown = [k for k in d if k not in CLASS_KEYS]
+        if unknown:
+            raise DataError(f"{p}: unknown key '{unknown[0]}' (known: {', '.join(CLASS_KEYS)})")
+        for k in ("class_names", "free_class"):
+            if k not in d:
+                raise DataError(f"{p}: key '{k}' is missing")
+        names, free, where = d["class_names"], d["free_class"], str(p)
+        if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+            raise DataError(f"{p}: class_names must be a list of names")
+    else:
+        if a.free is None:
+            raise DataError("--classes needs --free NAME (or id): the class of empty voxels")
+        names, free, where = [n.strip() for n in a.classes.split(",")], a.free, "--classes"
+        d = {}
+        if not all(names):
+            raise DataError(f"--classes {a.classes!r}: an empty class name")
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise DataError(f"{where}: class {dup!r} is named twice")
+    if isinstance(free, str) and free in names:
+        fid = names.index(free)
+    elif isinstance(free, int) or (isinstance(free, str) and free.isdigit()):
+        fid = int(free)
+    else:
+        raise DataError(f"{where}: free class {free!r} is not one of the classes {names}")
+    if not 0 <= fid < len(names):
+        raise DataError(f"{where}: free class id {fid} is not below the {len(names)} classes")
+    out = {"class_names": names, "free_class": fid}
+    for k in ("voxel_size", "range", "frame_rate_hz"):
+        if k in d:
+            out[k] = d[k]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", required=True, help="folder with one sub-folder per scene")
+    ap.add_argument("--out", required=True, help="data set folder to write (or to resume)")
+    ap.add_argument("--classes", help="class names in id order, comma-separated")
+    ap.add_argument("--free", help="the free (empty) class: a name from --classes or an id")
+    ap.add_argument("--classes-json", help="JSON with class_names, free_class [, voxel_size, range, frame_rate_hz]")
+    ap.add_argument("--key", help="array name in .npz frames (default: 'semantics' if present, else the first)")
+    ap.add_argument("--mask-key", help="array name of the visibility mask inside each .npz frame")
+    ap.add_argument("--time-unit", choices=list(TIME_UNITS), default="s", help="unit of the poses' timestamps")
+    ap.add_argument("--grid", type=int, nargs=3, metavar=("X", "Y", "Z"),
+                    help="expected grid (default: the first frame's)")
+    ap.add_argument("--voxel-size", type=float, nargs="+", metavar="M", help="voxel size in metres (1 or 3 numbers)")
+    ap.add_argument("--range", type=float, nargs=6, metavar="V", help="xmin ymin zmin xmax ymax zmax in metres")
+    ap.add_argument("--frame-rate", type=float, help="frames per second (default: from the timestamps)")
+    ap.add_argument("--val-scenes", help="comma-separated validation scene names")
+    ap.add_argument("--val-fraction", type=float, default=0.1, help="share of scenes for validation (default 0.1)")
+    add_writer_args(ap)
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    cls = classes_from_args(a)
+    val = [v.strip() for v in a.val_scenes.split(",") if v.strip()] if a.val_scenes else None
+    order, specs, bad = frames_scenes(a.root, val, a.val_fraction, a.time_unit, a.key, a.mask_key)
+    if a.grid:
+        grid = tuple(a.grid)
+    elif specs:
+        grid = peek_grid(specs[min(specs)])
+    else:
+        raise DataError(bad[0]["error"] if bad else f"{a.root}: no scenes")
+    voxel = a.voxel_size or cls.get("voxel_size") or [0.4]
+    voxel = [float(v) for v in (voxel if isinstance(voxel, list) else [voxel])]
+    if len(voxel) == 1:
+        voxel *= 3
+    if len(voxel) != 3:
+        raise DataError(f"voxel size {voxel} must be 1 or 3 numbers")
+    rng = a.range or cls.get("range") or [-grid[0] * voxel[0] / 2, -grid[1] * voxel[1] / 2, -1.0,
+                                          grid[0] * voxel[0] / 2, grid[1] * voxel[1] / 2, -1.0 + grid[2] * voxel[2]]
+    rate = a.frame_rate or cls.get("frame_rate_hz") or median_rate(specs.values())
+    has_mask = any(s.opts["has_mask"] for s in specs.values())
+    try:
+        info = DatasetInfo(grid=grid, num_classes=len(cls["class_names"]), free_class=cls["free_class"],
+                           class_names=cls["class_names"], voxel_size=voxel, range=rng, frame_rate_hz=float(rate),
+                           has_mask=has_mask)
+    except (TypeError, ValueError) as e:
+        raise DataError(f"classes / voxel size / range: {e}") from None
+    if len(info.range) != 6:
+        raise DataError(f"range {list(info.range)} must be 6 numbers")
+    options = {"source": str(Path(a.root).resolve()), "format": a.format,
+               "compression": a.compression if a.format == "hdf5" else "none",
+               "scenes_per_shard": a.scenes_per_shard, "grid": list(info.grid),
+               "class_names": list(info.class_names), "free_class": info.free_class,
+               "voxel_size": list(info.voxel_size), "range": list(info.range),
+               "frame_rate_hz": info.frame_rate_hz, "key": a.key, "mask_key": a.mask_key,
+               "time_unit": a.time_unit, "splits": {k: v for k, v in order.items()}}
+    bits = VISIBLE_BITS if has_mask else {}
+    record = {"tool": "convert_frames", "options": options, "mask_bits": bits,
+              "mask_convention": "uint8: bit 0 (1) = visible" if has_mask else "no masks"}
+    return convert_and_report(
+        a, info, order, specs, bad, record, bits, t0,
+        f"{a.root}: {sum(len(v) for v in order.values())} scenes "
+        f"({', '.join(f'{k} {len(v)}' for k, v in order.items())}), grid {' x '.join(map(str, grid))}, "
+        f"{info.num_classes} classes (free = {info.free_class} '{info.class_names[info.free_class]}'), "
+        f"{info.frame_rate_hz:g} Hz, masks: {'yes' if has_mask else 'no'}")
+
+
+if __name__ == "__main__":
+    run_cli(main)
