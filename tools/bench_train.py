@@ -203,8 +203,7 @@ class Runner:
                           "a smaller batch or more data (synthetic.train_scenes)")
         self.total = s.max_steps or s.epochs * (per_rank_batches // s.grad_accum)
         T.seed_all(cfg.run.seed * 1000 + d.rank)
-        self.ddp = nn.parallel.DistributedDataParallel(
-            self.model, device_ids=[device.index] if device.type == "cuda" else None) if d.active else self.model
+        self.ddp = T.wrap_ddp(self.model, cfg, device, d)
         self.fwd = torch.compile(self.ddp) if cfg.train.compile else self.ddp
         self.next_batch = T.BatchStream(self.loader, self.sampler, self.batch * d.world_size)
         self.step_no = 0

@@ -160,6 +160,11 @@ class TrainConfig:
     async_ckpt: bool = True  # write checkpoints in a background thread
     max_nonfinite: int = 5  # stop after this many non-finite steps in a row (each one is skipped)
     timeout_s: float = 900.0  # collective timeout: a dead rank fails the job after this long
+    # DDP gradient all-reduce: bucket size (larger buckets, fewer collectives; the last bucket is
+    # what cannot overlap the backward) and the dtype on the wire (bf16 halves the bytes; the
+    # gradients are averaged in bf16, then used in fp32 as before).
+    ddp_bucket_mib: float = 100.0  # measured: 2 H200s, world model 1.85x at 25 (DDP's default), 1.94x at 100
+    ddp_grad_dtype: str = "fp32"  # fp32 | bf16
     tensorboard: bool = True
     images: bool = True  # BEV pictures of ground truth vs forecast at each validation
     peak_tflops: float = 0.0  # the device's matrix peak, for MFU (0: MFU not reported)
@@ -182,6 +187,10 @@ class TrainConfig:
                               "the one a crash interrupted, so the one before it must survive")
         if not self.timeout_s > 0:
             raise ConfigError("timeout_s", f"{self.timeout_s} must be > 0")
+        if not self.ddp_bucket_mib > 0:
+            raise ConfigError("ddp_bucket_mib", f"{self.ddp_bucket_mib} must be > 0")
+        if self.ddp_grad_dtype not in ("fp32", "bf16"):
+            raise ConfigError("ddp_grad_dtype", f"{self.ddp_grad_dtype!r} must be fp32 or bf16")
         if self.peak_tflops < 0:
             raise ConfigError("peak_tflops", f"{self.peak_tflops} must be >= 0")
         if self.forecast_motion not in ("given", "predicted"):

@@ -501,6 +501,22 @@ def train_step(stage, model: nn.Module, opt: torch.optim.Optimizer, scaler: torc
     return StepResult(terms, gnorm, skipped, preempt, wait, samples, b)
 
 
+def wrap_ddp(model: nn.Module, cfg: Config, device: torch.device, d: D.Dist) -> nn.Module:
+    """The model under DistributedDataParallel when there is more than one rank, else the model.
+    Gradients are views into DDP's buckets (no copy in or out of them); bucket size and wire dtype
+    from train.ddp_bucket_mib / train.ddp_grad_dtype."""
+    if not d.active:
+        return model
+    ddp = nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=cfg.train.ddp_bucket_mib, gradient_as_bucket_view=True)
+    if cfg.train.ddp_grad_dtype == "bf16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    return ddp
+
+
 def fit(run: Run, stage, device: torch.device, dtype) -> dict:
     """Train one stage to its end (or to preemption / early stop). Returns its last validation."""
     cfg, d, s, log = run.cfg, run.d, stage.scfg, run.log
@@ -550,8 +566,7 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
         run.say(f"{stage.name}: {count_parameters(model) / 1e6:.2f} M parameters, {len(stage.train_ds)} "
                 f"training samples, {total} steps of {batch * d.world_size * s.grad_accum} samples")
 
-    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
-        if d.active else model
+    ddp = wrap_ddp(model, cfg, device, d)
     fwd = torch.compile(ddp) if cfg.train.compile else ddp
 
     def save(metrics: Optional[dict] = None) -> None:
