@@ -5,9 +5,10 @@
 #   docker run --gpus all --ipc=host --rm -v "$PWD/runs:/wm/runs" -v /data:/data wm \
 #       torchrun --nproc-per-node 8 train.py --cfg configs/occworld_nuscenes.json --set data.root=/data/occ3d
 #
-# 25.12-py3: PyTorch 2.10, CUDA 13.1, Python 3.12, TensorRT 10.14 (the TensorRT-LLM stack pins
-# tensorrt~=10.14.1 on this base). TensorRT 10.x matters: export.py writes its own INT8 calibration
-# cache, which 10.x still reads (11 removed implicit calibration). CUDA 13 needs an NVIDIA driver
+# 25.12-py3: CUDA 13 and a TensorRT 10.x (10.14, inferred from the TensorRT-LLM stack pinning
+# tensorrt~=10.14.1 on this base; not confirmed from NVIDIA's release notes, and the image was not
+# built here; the build reports whether TensorRT is present). TensorRT 10.x matters: export.py
+# writes its own INT8 calibration cache, which 10.x still reads (11 removed implicit calibration). CUDA 13 needs an NVIDIA driver
 # >= 580; on an older driver build on a CUDA 12.9 release instead:
 #   docker build --build-arg BASE=nvcr.io/nvidia/pytorch:25.08-py3 -t wm .
 ARG BASE=nvcr.io/nvidia/pytorch:25.12-py3

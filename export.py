@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 from wm.atomic import discard, publish, tmp_path, write_bytes

@@ -228,3 +228,19 @@ def assert_same(a, b, where="state"):
             assert_same(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def count_checkpoints(monkeypatch, module) -> list:
+    """Route `module.checkpoint` through torch's, recording each checkpointed callable (and checking
+    the non-reentrant variant is used); returns the list it fills."""
+    import torch.utils.checkpoint
+
+    calls = []
+
+    def counting_checkpoint(fn, *args, **kw):
+        assert kw.get("use_reentrant") is False
+        calls.append(fn)
+        return torch.utils.checkpoint.checkpoint(fn, *args, **kw)
+
+    monkeypatch.setattr(module, "checkpoint", counting_checkpoint)
+    return calls

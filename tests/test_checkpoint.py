@@ -445,7 +445,7 @@ def test_failed_save_keeps_previous_checkpoints_and_pointer(tmp_path, monkeypatc
     c.save(small_state(2), 2, metrics={"iou": 0.2})
     c.wait()
     snap = dir_snapshot(tmp_path)
-    real_open, real_save = open, torch.save
+    real_open = open
 
     if where == "torch.save":
         def bad_save(obj, f, *a, **kw):  # part of the file is written, then the disk fails

@@ -7,7 +7,6 @@ field, and no data lost or left half-written. Small grids (16x16x4) and few fram
 
 import hashlib
 import json
-import os
 import pickle
 import sys
 import time

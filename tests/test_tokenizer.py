@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from conftest import count_checkpoints
 from wm.errors import ConfigError, DataError
 from wm.tokenizer import Tokenizer, TokenizerConfig, count_parameters, lovasz_softmax
 
@@ -217,14 +218,7 @@ def test_dead_code_reset_off():
 def test_activation_checkpointing_same_gradients(every, monkeypatch):
     import wm.tokenizer as tk
 
-    calls = []
-
-    def counting_checkpoint(fn, *args, **kw):
-        assert kw.get("use_reentrant") is False
-        calls.append(fn)
-        return torch.utils.checkpoint.checkpoint(fn, *args, **kw)
-
-    monkeypatch.setattr(tk, "checkpoint", counting_checkpoint)
+    calls = count_checkpoints(monkeypatch, tk)
     torch.manual_seed(0)
     base = Tokenizer(tiny_cfg(blocks_per_level=2), 6, (16, 16, 2))
     ck = copy.deepcopy(base)

@@ -901,7 +901,7 @@ def test_engine_written_atomically(use_fake, qdq_onnx, tmp_path, monkeypatch):
         assert not Path(dst).exists()  # nothing under the final name before the rename
         real_replace(src, dst)
 
-    monkeypatch.setattr(T.os, "replace", spy)
+    monkeypatch.setattr(os, "replace", spy)  # what wm.atomic calls
     info = build(qdq_onnx, engine)
     (src, dst, data), = replaced
     assert dst == engine and src.parent == engine.parent
@@ -914,7 +914,7 @@ def test_engine_written_atomically(use_fake, qdq_onnx, tmp_path, monkeypatch):
     def no_space(fd):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(T.os, "fsync", no_space)
+    monkeypatch.setattr(os, "fsync", no_space)
     other = tmp_path / "sub" / "other.plan"
     with pytest.raises(WMError) as ei:
         build(qdq_onnx, other)

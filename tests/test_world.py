@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from conftest import count_checkpoints
 from wm.errors import ConfigError
 from wm.tokenizer import Tokenizer, TokenizerConfig
 from wm.world import WorldConfig, WorldModel, compose_motion, count_parameters, displacement
@@ -163,14 +164,7 @@ def test_motion_helpers_and_constant_velocity_prior():
 def test_activation_checkpointing_same_gradients(every, monkeypatch):
     import wm.world as wd
 
-    calls = []
-
-    def counting_checkpoint(fn, *args, **kw):
-        assert kw.get("use_reentrant") is False
-        calls.append(fn)
-        return torch.utils.checkpoint.checkpoint(fn, *args, **kw)
-
-    monkeypatch.setattr(wd, "checkpoint", counting_checkpoint)
+    calls = count_checkpoints(monkeypatch, wd)
     torch.manual_seed(0)
     base = WorldModel(tiny_cfg(widths=(16, 32), blocks_per_level=2, temporal_layers=2), 32)
     ck = copy.deepcopy(base)

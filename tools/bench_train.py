@@ -89,7 +89,6 @@ import wm.train as T  # noqa: E402
 from wm import distributed as D  # noqa: E402
 from wm.checkpoint import Checkpointer, latest_checkpoint, rng_state  # noqa: E402
 from wm.config import load as load_config, to_dict  # noqa: E402
-from wm.data import ResumableSampler, make_loader  # noqa: E402
 from wm.errors import WMError, run_cli  # noqa: E402
 from wm.tokenizer import Tokenizer  # noqa: E402
 
@@ -188,20 +187,11 @@ class Runner:
     rate and runs wm.train.train_step: the loop's step, nothing else."""
 
     def __init__(self, stage, cfg, d: D.Dist, device: torch.device, dtype):
-        s = self.s = stage.scfg
+        self.s = stage.scfg
         self.stage, self.cfg, self.d, self.device, self.dtype = stage, cfg, d, device, dtype
-        self.model = stage.model.to(device)
-        self.batch = s.batch_size or cfg.data.batch_size
-        self.opt = T.make_optimizer(self.model, s, device)
-        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        self.sampler = ResumableSampler(len(stage.train_ds), d.world_size, d.rank, seed=cfg.run.seed, drop_last=True)
-        self.loader = make_loader(stage.train_ds, self.sampler, cfg.data, drop_last=True, batch_size=self.batch)
-        per_rank_batches = len(stage.train_ds) // d.world_size // self.batch
-        if per_rank_batches < s.grad_accum:
-            raise WMError(f"{stage.name}: {len(stage.train_ds)} training samples give {per_rank_batches} "
-                          f"batches of {self.batch} per rank, fewer than grad_accum={s.grad_accum}; use "
-                          "a smaller batch or more data (synthetic.train_scenes)")
-        self.total = s.max_steps or s.epochs * (per_rank_batches // s.grad_accum)
+        p = T.stage_parts(stage, cfg, d, device, dtype)
+        self.model, self.batch, self.opt, self.scaler = p.model, p.batch, p.opt, p.scaler
+        self.sampler, self.loader, self.total = p.sampler, p.loader, p.total
         T.seed_all(cfg.run.seed * 1000 + d.rank)
         self.ddp = T.wrap_ddp(self.model, cfg, device, d)
         self.fwd = torch.compile(self.ddp) if cfg.train.compile else self.ddp

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from wm.atomic import fsync_dir, tmp_path
-from wm.errors import ConfigError, WMError
+from wm.errors import ConfigError, WMError, first_line
 
 __all__ = [
     "CheckpointError",
@@ -75,11 +75,6 @@ _TMP_RE = re.compile(r"^\..+\.tmp-\d+$")
 
 class CheckpointError(WMError):
     """A checkpoint that cannot be written or read; the one-line message names the file."""
-
-
-def _one_line(x: Any) -> str:
-    s = str(x).strip()
-    return s.splitlines()[0] if s else type(x).__name__
 
 
 def checkpoint_name(step: int) -> str:
@@ -355,9 +350,9 @@ def load(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except OSError as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {_one_line(e)}") from e
+        raise CheckpointError(f"cannot read checkpoint {path}: {first_line(e)}") from e
     except Exception as e:  # torch raises RuntimeError/UnpicklingError/EOFError/... for damage
-        msg = _one_line(e)
+        msg = first_line(e)
         if "Weights only load failed" in str(e):
             raise CheckpointError(f"checkpoint {path} holds objects that torch.load(weights_only=True) "
                                   f"refuses ({msg}); {prev_hint()}") from e
@@ -387,7 +382,7 @@ def clean_stale_temps(folder: str | os.PathLike) -> list[Path]:
             except FileNotFoundError:
                 pass
             except OSError as e:
-                warnings.warn(f"cannot remove stale temp file {folder / n}: {_one_line(e)}", stacklevel=2)
+                warnings.warn(f"cannot remove stale temp file {folder / n}: {first_line(e)}", stacklevel=2)
     return removed
 
 
@@ -423,7 +418,7 @@ class Checkpointer:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise CheckpointError(f"cannot create checkpoint folder {self.folder}: {_one_line(e)}") from e
+            raise CheckpointError(f"cannot create checkpoint folder {self.folder}: {first_line(e)}") from e
         clean_stale_temps(self.folder)
         self.best_value: float | None = None
         self.best_step: int | None = None
@@ -541,7 +536,7 @@ class Checkpointer:
         try:
             size, sha = _atomic_write(path, lambda f: torch.save(state, f))
         except OSError as e:
-            raise CheckpointError(f"cannot write checkpoint {path}: {_one_line(e)}; nothing was "
+            raise CheckpointError(f"cannot write checkpoint {path}: {first_line(e)}; nothing was "
                                   f"saved under that name, {intact}") from e
         try:
             _write_json_atomic(self.folder / POINTER,
@@ -549,7 +544,7 @@ class Checkpointer:
         except OSError as e:
             _unlink_quiet(path)  # a failed save leaves nothing under a checkpoint name
             raise CheckpointError(f"cannot write checkpoint pointer {self.folder / POINTER}: "
-                                  f"{_one_line(e)}; {name} was removed, {intact}") from e
+                                  f"{first_line(e)}; {name} was removed, {intact}") from e
         self.last_path = path
         if self._better(value):
             self._update_best(path, step, value, size, sha)
@@ -576,7 +571,7 @@ class Checkpointer:
             _unlink_quiet(tmp)
             held = f"step {self.best_step}" if self.best_step is not None else "the previous best"
             raise CheckpointError(f"checkpoint {path.name} was saved, but {best} could not be "
-                                  f"updated: {_one_line(e)}; it still holds {held}") from e
+                                  f"updated: {first_line(e)}; it still holds {held}") from e
         self.best_value, self.best_step = value, step
 
     def _rotate(self, keep: Path) -> None:
@@ -588,7 +583,7 @@ class Checkpointer:
             except FileNotFoundError:
                 pass
             except OSError as e:
-                warnings.warn(f"cannot delete old checkpoint {p}: {_one_line(e)}", stacklevel=2)
+                warnings.warn(f"cannot delete old checkpoint {p}: {first_line(e)}", stacklevel=2)
         if doomed:
             try:
                 _fsync_dir(self.folder)

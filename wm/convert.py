@@ -49,7 +49,7 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 
 from wm.atomic import write_bytes
-from wm.errors import DataError
+from wm.errors import DataError, first_line
 from wm.shards import (COMPRESSIONS, DEFAULT_COMPRESSION, MANIFEST, OCC3D_CLASSES, SUFFIX, DatasetInfo, Manifest,
                        ShardWriter, shard_sha256, verify)
 
@@ -135,11 +135,6 @@ def _whole_us(v, where: str) -> int:
     raise DataError(f"{where}: timestamp {v!r} is not whole microseconds")
 
 
-def _first_line(e: BaseException) -> str:
-    s = str(e).strip().splitlines()
-    return s[0] if s else type(e).__name__
-
-
 # ---------------------------------------------------------------------------------------------
 # scenes: what the planner found, what a worker reads
 
@@ -169,7 +164,7 @@ def _reading(path: Path, where: str, kind: str):
     except FileNotFoundError:
         raise DataError(f"{path}: {where}: the file is missing") from None
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
-        raise DataError(f"{path}: {where}: cannot be read as {kind} ({_first_line(e)})") from None
+        raise DataError(f"{path}: {where}: cannot be read as {kind} ({first_line(e)})") from None
 
 
 def _load_npy_npz(path: Path, key: Optional[str], where: str, what: str) -> np.ndarray:
@@ -275,9 +270,9 @@ def load_annotations(path: Path) -> dict:
     try:
         d = json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: not valid JSON ({_first_line(e)}); download it again") from None
+        raise DataError(f"{path}: not valid JSON ({first_line(e)}); download it again") from None
     except OSError as e:
-        raise DataError(f"{path}: cannot be read ({_first_line(e)})") from None
+        raise DataError(f"{path}: cannot be read ({first_line(e)})") from None
     if not isinstance(d, dict):
         raise DataError(f"{path}: expected a JSON object with train_split, val_split and scene_infos, "
                         f"got {type(d).__name__}")
@@ -433,7 +428,7 @@ def read_poses(path: Path, scene: str) -> list[tuple[Optional[str], float, np.nd
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{where0}: cannot be read ({_first_line(e)})") from None
+        raise DataError(f"{where0}: cannot be read ({first_line(e)})") from None
     out = []
     if path.suffix == ".csv":
         lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
@@ -452,7 +447,7 @@ def read_poses(path: Path, scene: str) -> list[tuple[Optional[str], float, np.nd
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
-            raise DataError(f"{where0}: not valid JSON ({_first_line(e)})") from None
+            raise DataError(f"{where0}: not valid JSON ({first_line(e)})") from None
         if isinstance(d, dict) and isinstance(d.get("poses"), list):
             d = d["poses"]
         if not isinstance(d, list):
@@ -605,7 +600,7 @@ def peek_grid(spec: SceneSpec) -> tuple[int, int, int]:
         try:
             a = np.load(f, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError, EOFError) as e:
-            raise DataError(f"{f}: {where}: cannot be read as .npy ({_first_line(e)})") from None
+            raise DataError(f"{f}: {where}: cannot be read as .npy ({first_line(e)})") from None
     else:
         a = _load_npy_npz(f, spec.opts.get("key"), where, "occupancy")
     if a.ndim != 3:
@@ -830,7 +825,7 @@ def convert(out: str | os.PathLike, info: DatasetInfo, order: dict[str, list[str
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise DataError(f"cannot create --out {out} ({_first_line(e)})") from None
+        raise DataError(f"cannot create --out {out} ({first_line(e)})") from None
     record = dict(record or {"options": {}})
     extra = dict(extra or {})
     tasks = plan_shards(order, specs, kind, scenes_per_shard)

@@ -5,6 +5,13 @@ and keeps its traceback.
 """
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type name if the message is empty): what a
+    one-line error quotes of a library's multi-line one."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
 class WMError(Exception):
     """A failure the user can fix; str(e) is the one line shown to them."""
 

@@ -31,7 +31,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from wm.atomic import fsync_dir, tmp_path, write_bytes
-from wm.errors import DataError
+from wm.errors import DataError, first_line
 
 FORMAT, VERSION = "wm-occ", 1
 KINDS = ("hdf5", "memmap")
@@ -520,7 +520,7 @@ class Shard:
         except DataError:
             raise
         except (OSError, ValueError, KeyError) as e:
-            raise DataError(f"shard {self.path}: cannot be read ({_first_line(e)}); it is truncated or "
+            raise DataError(f"shard {self.path}: cannot be read ({first_line(e)}); it is truncated or "
                             "corrupt: run tools/inspect_data.py --verify and re-create it") from None
         self._check(big)
 
@@ -576,7 +576,7 @@ class Shard:
         try:
             return np.load(p, mmap_mode="r")
         except (OSError, ValueError) as e:
-            raise DataError(f"shard {self.path}: field '{k}' ({k}.npy) cannot be read ({_first_line(e)}); "
+            raise DataError(f"shard {self.path}: field '{k}' ({k}.npy) cannot be read ({first_line(e)}); "
                             "it is truncated or corrupt: run tools/inspect_data.py --verify and "
                             "re-create it") from None
 
@@ -594,7 +594,7 @@ class Shard:
             raise
         except (OSError, ValueError, KeyError) as e:
             raise DataError(f"shard {self.path}: field '{field}' frames {start}:{stop} cannot be read "
-                            f"({_first_line(e)}); the shard is corrupt: run tools/inspect_data.py "
+                            f"({first_line(e)}); the shard is corrupt: run tools/inspect_data.py "
                             "--verify and re-create it") from None
 
     def close(self) -> None:
@@ -611,11 +611,6 @@ class Shard:
         d["_h5"] = d["_pid"] = None
         d["_mm"] = {}
         return d
-
-
-def _first_line(e: BaseException) -> str:
-    s = str(e).strip().splitlines()
-    return s[0] if s else type(e).__name__
 
 
 def open_split(root: str | os.PathLike, split: str, cache_bytes: int = 1 << 20) -> tuple[Manifest, list[Shard]]:

@@ -23,7 +23,6 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 

@@ -412,7 +412,7 @@ class Tokenizer(nn.Module):
         if num_classes < 2:
             raise DataError(f"tokenizer: num_classes must be >= 2, got {num_classes}")
         self.cfg, self.num_classes, self.grid = cfg, num_classes, grid
-        e, (w0, w1, w2) = cfg.embed_dim, cfg.widths
+        e, (w0, _, w2) = cfg.embed_dim, cfg.widths
         cin = grid[2] * e
         nb = cfg.blocks_per_level
 

@@ -37,7 +37,6 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import wm
@@ -47,7 +46,7 @@ from wm.config import Config, StageConfig, from_dict, load as load_config, save 
 from wm.data import CodeWindows, OccWindows, ResumableSampler, check_against_config, make_loader, resolve_root
 from wm.errors import ConfigError, WMError
 from wm.logs import Logger, eta
-from wm.evaluate import evaluate_run, forecast, reconstruction
+from wm.evaluate import autocast, eval_batches, evaluate_run, forecast, frames_config, reconstruction
 from wm.tokenizer import Tokenizer, count_parameters
 from wm.viz import bev, tile
 from wm.world import WorldModel
@@ -80,12 +79,6 @@ def amp_dtype(cfg: Config, device: torch.device) -> Optional[torch.dtype]:
     if amp == "auto":
         return torch.bfloat16 if device.type == "cuda" else None
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[amp]
-
-
-def autocast(device: torch.device, dtype: Optional[torch.dtype]):
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def lr_factor(step: int, total: int, s: StageConfig) -> float:
@@ -235,18 +228,13 @@ RESUME_MAY_CHANGE = {
 # stages: what differs between the tokenizer and the world model
 
 
-def frames_config(cfg: Config):
-    """The data config for single frames (the tokenizer stage and the token cache)."""
-    return dataclasses.replace(cfg.data, past=1, future=0, stride=1, window_step=1, use_mask=False)
-
-
 class TokenizerStage:
     name = "tokenizer"
 
     def __init__(self, run: Run):
         cfg = run.cfg
         self.run, self.cfg, self.scfg = run, cfg, cfg.tokenizer_stage
-        fc = frames_config(cfg)
+        fc = frames_config(cfg.data)
         self.train_ds = OccWindows(run.root, cfg.data.train_split, fc)
         self.val_ds = OccWindows(run.root, cfg.data.val_split,
                                  dataclasses.replace(fc, max_windows=cfg.data.max_windows))
@@ -272,7 +260,8 @@ class TokenizerStage:
     @torch.no_grad()
     def evaluate(self, model: nn.Module, d: D.Dist, dtype, device) -> tuple[dict, list]:
         cfg = self.cfg
-        batches = eval_batches(self.val_ds, d, self.scfg.batch_size or cfg.data.batch_size, cfg)
+        batches = eval_batches(self.val_ds, d, self.scfg.batch_size or cfg.data.batch_size,
+                               cfg.data.num_workers, cfg.data.pin_memory)
         r = reconstruction(unwrap(model), batches, d, device, dtype, cfg.data.num_classes, cfg.data.free_class,
                            keep_first=d.is_main and cfg.train.images)
         pics = [("val/recon_gt_top_pred_bottom", r.first)] if r.first else []
@@ -324,7 +313,8 @@ class WorldStage:
 
         cfg = self.cfg
         S = cfg.data.future
-        batches = eval_batches(self.val_ds, d, self.scfg.batch_size or cfg.data.batch_size, cfg)
+        batches = eval_batches(self.val_ds, d, self.scfg.batch_size or cfg.data.batch_size,
+                               cfg.data.num_workers, cfg.data.pin_memory)
         f = forecast(self.tokenizer, unwrap(model), batches, d, device, dtype, cfg.data.past, S,
                      cfg.data.num_classes, cfg.data.free_class,
                      given_motion=cfg.train.forecast_motion == "given", keep_first=d.is_main and cfg.train.images)
@@ -338,15 +328,6 @@ class WorldStage:
             out[f"val/copy_last_iou_t{t + 1}"] = b["iou"][t]
             out[f"val/copy_last_miou_t{t + 1}"] = b["miou"][t]
         return out, pics
-
-
-def eval_batches(ds, d: D.Dist, batch_size: int, cfg: Config):
-    """This rank's share of the validation windows (no padding: counts are all-reduced after)."""
-    idx = list(range(d.rank, len(ds), d.world_size))
-    loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, sampler=idx,
-                                         num_workers=min(cfg.data.num_workers, 2),
-                                         pin_memory=cfg.data.pin_memory and torch.cuda.is_available())
-    yield from loader
 
 
 def tokenizer_checkpoint(run: Run) -> Path:
@@ -371,7 +352,7 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
     folder = run.dir / "token_cache" / key
     path = folder / "codes.npy"
     if d.is_main and not path.is_file():  # the run folder is shared by all ranks
-        frames = OccWindows(run.root, cfg.data.train_split, frames_config(cfg))
+        frames = OccWindows(run.root, cfg.data.train_split, frames_config(cfg.data))
         h, w = tok.token_shape
         for stale in folder.parent.glob(".*.tmp-*") if folder.parent.is_dir() else []:
             shutil.rmtree(stale, ignore_errors=True)  # left by a killed build
@@ -517,16 +498,24 @@ def wrap_ddp(model: nn.Module, cfg: Config, device: torch.device, d: D.Dist) -> 
     return ddp
 
 
-def fit(run: Run, stage, device: torch.device, dtype) -> dict:
-    """Train one stage to its end (or to preemption / early stop). Returns its last validation."""
-    cfg, d, s, log = run.cfg, run.d, stage.scfg, run.log
-    sdir = run.stage_dir(stage.name)
-    done_file = sdir / "done.json"
-    if done_file.is_file():
-        res = json.loads(done_file.read_text())
-        run.say(f"{stage.name} stage already finished at step {res['step']}; using it")
-        return res.get("metrics", {})
+@dataclasses.dataclass
+class StageParts:
+    """What one stage trains with: the model on its device, AdamW, the GradScaler, the resumable
+    sampler and its DataLoader, and the step counts."""
 
+    model: nn.Module
+    batch: int  # per rank
+    opt: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    sampler: ResumableSampler
+    loader: torch.utils.data.DataLoader
+    steps_per_epoch: int
+    total: int  # optimizer steps of the whole stage
+
+
+def stage_parts(stage, cfg: Config, d: D.Dist, device: torch.device, dtype) -> StageParts:
+    """fit's set-up of a stage (also tools/bench_train.py's, so the bench times what fit runs)."""
+    s = stage.scfg
     model = stage.model.to(device)
     batch = s.batch_size or cfg.data.batch_size
     opt = make_optimizer(model, s, device)
@@ -539,7 +528,24 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
                       f"batches of {batch} per rank, fewer than grad_accum={s.grad_accum}; use a smaller "
                       f"{stage.name}_stage.batch_size or more data")
     steps_per_epoch = per_rank_batches // s.grad_accum
-    total = s.max_steps or s.epochs * steps_per_epoch
+    return StageParts(model, batch, opt, scaler, sampler, loader, steps_per_epoch,
+                      s.max_steps or s.epochs * steps_per_epoch)
+
+
+def fit(run: Run, stage, device: torch.device, dtype) -> dict:
+    """Train one stage to its end (or to preemption / early stop). Returns its last validation."""
+    cfg, d, s, log = run.cfg, run.d, stage.scfg, run.log
+    sdir = run.stage_dir(stage.name)
+    done_file = sdir / "done.json"
+    if done_file.is_file():
+        res = json.loads(done_file.read_text())
+        run.say(f"{stage.name} stage already finished at step {res['step']}; using it")
+        return res.get("metrics", {})
+
+    parts = stage_parts(stage, cfg, d, device, dtype)
+    model, batch, opt, scaler, sampler, loader = (parts.model, parts.batch, parts.opt, parts.scaler,
+                                                  parts.sampler, parts.loader)
+    steps_per_epoch, total = parts.steps_per_epoch, parts.total
     eval_every = s.eval_every or steps_per_epoch
     ckpt = Checkpointer(sdir / "checkpoints", cfg.train.keep_last, s.best_metric, s.best_mode,
                         cfg.train.async_ckpt) if d.is_main else None

@@ -61,9 +61,7 @@ closed source):
 
 from __future__ import annotations
 
-import errno
 import math
-import os
 import re
 import struct
 from collections.abc import Mapping

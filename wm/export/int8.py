@@ -194,7 +194,7 @@ def quantizable_inputs(model, op_types: Sequence[str] = QUANT_OP_TYPES) -> dict[
     return out
 
 
-def exact_range_tensors(model) -> dict[str, str]:
+def exact_range_tensors(model, tensors: Optional[Iterable[str]] = None) -> dict[str, str]:
     """{tensor: why} for the quantized inputs whose range is the data's, not a learned activation's;
     int8_export gives them their exact max instead of an entropy cut-off:
 
@@ -207,7 +207,9 @@ def exact_range_tensors(model) -> dict[str, str]:
       stacked, in front of the pose MLP at every rollout step). Their tails are measurements, and
       the informative part: a clipped displacement makes a fast ego look slow (demo run: threshold
       at 0.41 of the max, the forecast lost a further 0.7 IoU points on the last steps).
-    """
+
+    `tensors`: the quantizable inputs when the caller has them (:func:`quantizable_inputs` runs shape
+    inference over the whole graph)."""
     model = _load(model)
     const = _constants(model)
     producer = {o: n for n in model.graph.node for o in n.output}
@@ -241,7 +243,7 @@ def exact_range_tensors(model) -> dict[str, str]:
             stack.pop()
         return sources[t]
 
-    for t in quantizable_inputs(model):
+    for t in (quantizable_inputs(model) if tensors is None else tensors):
         x = t
         while x in producer and producer[x].op_type in _VIEW_OPS:
             x = producer[x].input[0]
@@ -889,7 +891,7 @@ def int8_export(trained, out_dir, calib_windows: int = 256, batch: int = 4, trt_
                         key=list(tensors).index)
         hists = col.histograms()
         todo = {t: hists[t] for t in wanted if t in hists}  # absent: zero in every batch, stays float
-        exact = {t: why for t, why in exact_range_tensors(model).items() if t in todo}
+        exact = {t: why for t, why in exact_range_tensors(model, tensors).items() if t in todo}
         if method == "max":
             thresholds = {t: col.amax(t) for t in todo}
         else:

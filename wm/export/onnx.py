@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from wm.atomic import discard, publish, tmp_path
-from wm.checkpoint import CheckpointError, latest_checkpoint, load
+from wm.checkpoint import latest_checkpoint, load
 from wm.config import Config, from_dict
 from wm.errors import ConfigError, WMError
 from wm.tokenizer import Tokenizer

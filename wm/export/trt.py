@@ -34,7 +34,6 @@ and carries TensorRT's own parser/builder messages.
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import time
@@ -655,13 +654,13 @@ def deploy(onnx_files: Mapping[str, Path], feeds: Mapping[str, Mapping[str, Any]
         info = build_engine(path, engine, min_batch=1, opt_batch=opt_batch, max_batch=max_batch)
         runner = TrtRunner(engine)
         feed = {k: np.ascontiguousarray(v) for k, v in feeds[name].items()}
-        got = runner(**{k: torch.from_numpy(v) for k, v in feed.items()})
+        full = {k: torch.from_numpy(v) for k, v in feed.items()}
+        got = runner(**full)
         ref = session(path).run(None, feed)
         if len(ref) != len(runner.outputs):
             raise TrtError(f"engine {engine} has outputs {runner.outputs}, onnxruntime gives {len(ref)} for {path}")
         vs = {o: _agreement(got[o].cpu().numpy(), r) for o, r in zip(runner.outputs, ref)}
-        one = {k: torch.from_numpy(v[:1]) for k, v in feed.items()}
-        full = {k: torch.from_numpy(v) for k, v in feed.items()}
+        one = {k: v[:1] for k, v in full.items()}
         batch = int(next(iter(feed.values())).shape[0])
         ms1, msb = runner.time(one, timing_iters), runner.time(full, timing_iters)
         res["graphs"][name] = {"onnx": path.name, "engine": engine.name, "bytes": info["bytes"],
