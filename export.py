@@ -1,15 +1,21 @@
-"""Export a trained world-model run to ONNX (FP32, optionally FP16), checked against PyTorch.
+"""Export a trained world-model run to ONNX (FP32, optionally FP16 and INT8), checked against PyTorch.
 
     python export.py                              # newest world-model run under runs/, its best checkpoint
     python export.py --run runs/demo --fp16
+    python export.py --run runs/demo --int8       # + Q/DQ INT8 graphs, calibration caches, report.json
     python export.py --run runs/demo --ckpt runs/demo/world/checkpoints/step_000000450.pt
 
-Writes into <run>/export/: forecaster.onnx, tokenizer_encode.onnx, tokenizer_decode.onnx (and
-*.fp16.onnx with --fp16; with --int8 *.int8.onnx Q/DQ graphs calibrated by TensorRT's entropy
-method, *.calib.cache TensorRT calibration caches and report.json: IoU/mIoU per future step of
-PyTorch, ONNX FP32/FP16/INT8 and copy-last on held-out windows, with onnxruntime latency), and
-export.json with what was compared: onnxruntime against PyTorch at batch 1 and 2, class agreement
-and max logit difference.
+Writes into <run>/export/ the three graphs a deployment runs (wm/export/onnx.py says why three, and
+wm/export/forecast.py is the host loop over them): tokenizer_encode.onnx, world_step.onnx (one
+world-model step; the loop calls it once per future frame), tokenizer_decode.onnx; *.fp16.onnx with
+--fp16; with --int8 *.int8.onnx Q/DQ graphs calibrated by TensorRT's entropy method, *.calib.cache
+TensorRT calibration caches and report.json (IoU/mIoU per future step, past occupancy -> future
+occupancy, of PyTorch FP32, FP16, INT8 and copy-last on held-out windows); and export.json: what
+was compared (onnxruntime against PyTorch at batch 1 and 2), the seconds of every phase and the
+peak host (and GPU) memory.
+
+Calibration and the report run on the GPU where there is one (the exported programs in PyTorch;
+onnxruntime checks parity on a few windows), else in onnxruntime on the CPU (--engine picks).
 
 TensorRT: where `import tensorrt` works and a GPU is present, each graph (the INT8 Q/DQ one with
 --int8, else FP16 with --fp16, else FP32) is built into `<graph>.engine` as a strongly typed
@@ -21,10 +27,25 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from wm.atomic import discard, publish, tmp_path, write_bytes
 from wm.errors import WMError, run_cli
+
+
+def peak_memory() -> dict:
+    """Peak resident memory of this process and of its children (GiB), and the GPU's peak allocation."""
+    import resource
+
+    import torch
+
+    gib = 1024 ** 2  # ru_maxrss is in KiB on Linux
+    out = {"host_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / gib, 2),
+           "children_peak_gib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / gib, 2)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return out
 
 
 def main(argv=None) -> int:
@@ -37,8 +58,16 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch", type=int, default=64, help="largest batch the graphs accept")
     ap.add_argument("--int8", action="store_true",
                     help="also write INT8 Q/DQ graphs and TensorRT calibration caches, and report.json")
-    ap.add_argument("--calib-windows", type=int, default=128, help="training windows for INT8 calibration")
-    ap.add_argument("--eval-windows", type=int, default=64, help="validation windows of the report (0: all)")
+    ap.add_argument("--calib-windows", type=int, default=128,
+                    help="training windows for INT8 calibration, spread evenly over the split (0: all)")
+    ap.add_argument("--eval-windows", type=int, default=64,
+                    help="validation windows of the report (0: all; more than the split has: all)")
+    ap.add_argument("--batch", type=int, default=2, help="windows per calibration/report batch")
+    ap.add_argument("--engine", choices=("auto", "torch", "onnxruntime"), default="auto",
+                    help="what runs calibration and the report: torch (the exported programs; on the GPU) "
+                         "or onnxruntime (CPU); auto: torch where a GPU is present")
+    ap.add_argument("--parity-windows", type=int, default=2,
+                    help="with the torch engine: windows the report also runs in onnxruntime, for parity")
     ap.add_argument("--trt-version", default="10.3.0", help="TensorRT version in the calibration cache header")
     ap.add_argument("--no-trt", action="store_true",
                     help="skip the TensorRT step (by default: engines where TensorRT and a GPU are "
@@ -47,11 +76,18 @@ def main(argv=None) -> int:
 
     import torch
 
-    from wm.export.onnx import compare, example_inputs, export_graph, find_run, graphs, load_trained
+    from wm.export.onnx import (OUTPUTS, compare, dynamic_shapes, example_inputs, export_graph, find_run, graphs,
+                                load_trained)
 
+    t_start = time.perf_counter()
     torch.set_grad_enabled(False)
+    # FP32 means FP32 on the GPU too (the reference every drop is measured against): no TF32
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
     run = Path(a.run) if a.run else find_run(a.runs)
     t = load_trained(run, a.ckpt)
+    if a.batch < 1:
+        raise WMError(f"--batch must be >= 1, got {a.batch}")
     if a.int8:
         from wm.export.int8 import check_windows
 
@@ -66,14 +102,22 @@ def main(argv=None) -> int:
         raise WMError(f"cannot write the export folder {out} ({e}); choose another with --out") from None
     print(f"exporting {t.ckpt} (tokenizer {t.tokenizer_ckpt}) to {out}")
     report = {"checkpoint": str(t.ckpt), "tokenizer_checkpoint": str(t.tokenizer_ckpt),
-              "data_fingerprint": t.data_fingerprint, "graphs": {}}
+              "data_fingerprint": t.data_fingerprint, "graphs": {}, "seconds": {}}
+    secs = report["seconds"]
     ex = {b: example_inputs(t, b, seed=b) for b in (1, 2)}
-    for name, (module, outputs) in graphs(t).items():
+    programs = {}
+    t0 = time.perf_counter()
+    mods = graphs(t)
+    for i, (name, module) in enumerate(mods.items()):
         path = out / f"{name}.onnx"
+        print(f"  exporting {name} ({i + 1}/{len(mods)}) ...", flush=True)
         # example batch 2: torch.export specialises a dimension whose example size is 1
-        secs = export_graph(module, ex[2][name], outputs, path, a.max_batch)
-        r = {"file": path.name, "bytes": path.stat().st_size, "export_s": round(secs, 1),
-             "inputs": {k: [str(v.dtype).replace("torch.", ""), ["batch", *v.shape[1:]]] for k, v in ex[1][name].items()},
+        s, programs[name] = export_graph(module, ex[2][name], OUTPUTS[name], path,
+                                         dynamic_shapes(t, name, ex[2][name], a.max_batch))
+        r = {"file": path.name, "bytes": path.stat().st_size, "export_s": round(s, 1),
+             "inputs": {k: [str(v.dtype).replace("torch.", ""), ["batch", *(["frames"] if name == "world_step" else []),
+                                                                 *v.shape[1 + (name == "world_step"):]]]
+                        for k, v in ex[1][name].items()},
              "vs_pytorch": {f"batch{b}": compare(module, path, ex[b][name]) for b in (1, 2)}}
         if a.fp16:
             r["fp16"] = to_fp16(path, out / f"{name}.fp16.onnx", module, ex)
@@ -81,25 +125,37 @@ def main(argv=None) -> int:
         line = "  ".join(f"batch {b}: agree {v['class_agreement']:.4f}" +
                          (f" max|diff| {v['max_abs_diff']:.2e}" if v["max_abs_diff"] is not None else "")
                          for b, v in ((k[-1], v) for k, v in r["vs_pytorch"].items()))
-        print(f"{name:<18}{path.stat().st_size / 2**20:7.1f} MiB  {secs:6.1f} s   {line}")
+        print(f"{name:<18}{path.stat().st_size / 2**20:7.1f} MiB  {s:6.1f} s   {line}")
         if "fp16" in r:
             f = r["fp16"]["vs_pytorch"]
             print(f"{name + '.fp16':<18}{r['fp16']['bytes'] / 2**20:7.1f} MiB            " + "  ".join(
                 f"batch {k[-1]}: agree {v['class_agreement']:.4f}" for k, v in f.items()))
+    secs["export_fp32" + ("_fp16" if a.fp16 else "")] = round(time.perf_counter() - t0, 2)
     if a.int8:
         from wm.export.int8 import run_int8
 
-        report["int8"] = run_int8(t, out, a.calib_windows, a.eval_windows, trt_version=a.trt_version)["int8"]
+        full = run_int8(t, out, a.calib_windows, a.eval_windows, batch=a.batch, trt_version=a.trt_version,
+                        engine=a.engine, programs=programs, parity_windows=a.parity_windows)
+        report["int8"] = full["int8"]
+        secs.update({f"int8_{k}": v for k, v in full["int8"]["seconds"].items() if k != "total"})
     if not a.no_trt:
         from wm.export.trt import deploy
 
+        t0 = time.perf_counter()
         # the most deployable graphs written: Q/DQ INT8, else FP16, else FP32
         kind = ".int8" if a.int8 else ".fp16" if a.fp16 else ""
         files = {name: out / f"{name}{kind}.onnx" for name in report["graphs"]}
         feeds = {name: {k: v.numpy() for k, v in ex[2][name].items()} for name in files}
-        report["tensorrt"] = deploy(files, feeds, max_batch=a.max_batch, opt_batch=1)
+        c = t.cfg
+        report["tensorrt"] = deploy(files, feeds, max_batch=a.max_batch, opt_batch=1,
+                                    dims={"frames": (2, c.data.past, c.world.max_frames)})
+        secs["tensorrt"] = round(time.perf_counter() - t0, 2)
+    secs["total"] = round(time.perf_counter() - t_start, 2)
+    report["memory"] = peak_memory()
     write_bytes(out / "export.json", json.dumps(report, indent=1))
-    print(f"wrote {out / 'export.json'}")
+    m = report["memory"]
+    print(f"wrote {out / 'export.json'}  ({secs['total']:.0f} s; peak host memory {m['host_peak_gib']:.1f} GiB"
+          + (f", GPU {m['gpu_peak_gib']:.1f} GiB" if "gpu_peak_gib" in m else "") + ")")
     return 0
 
 

@@ -25,26 +25,50 @@ def export(*args):
 
 
 def test_export_matches_pytorch_at_batch_1_and_2(trained, tmp_path):
-    run = trained.run_dir()
-    p = export("--run", str(run), "--out", str(tmp_path), "--fp16")
+    p = export("--run", str(trained.run_dir()), "--out", str(tmp_path), "--fp16")
     assert p.returncode == 0, p.stderr[-3000:]
     rep = json.loads((tmp_path / "export.json").read_text())
-    assert set(rep["graphs"]) == {"forecaster", "tokenizer_encode", "tokenizer_decode"}
+    assert set(rep["graphs"]) == {"tokenizer_encode", "world_step", "tokenizer_decode"}
     for name, g in rep["graphs"].items():
         for b in ("batch1", "batch2"):  # dynamic batch: the same graph runs both
             assert g["vs_pytorch"][b]["class_agreement"] == 1.0, (name, b, g)
         onnx.checker.check_model(str(tmp_path / g["file"]), full_check=True)
         assert (tmp_path / g["fp16"]["file"]).is_file() and g["fp16"]["vs_pytorch"]["batch2"]["class_agreement"] > 0.9
     assert rep["graphs"]["tokenizer_decode"]["vs_pytorch"]["batch2"]["max_abs_diff"] < 1e-3
-    # the forecaster's interface: uint8 occupancy in and out, the horizon of the config
-    m = onnx.load(str(tmp_path / "forecaster.onnx"), load_external_data=False)
+    # the step graph's interface: codes and motion of the frames so far, frames and batch dynamic
+    m = onnx.load(str(tmp_path / "world_step.onnx"), load_external_data=False)
     ins = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in m.graph.input}
     outs = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in m.graph.output}
-    assert ins["past_occ"][1:] == [2, 16, 16, 4] and isinstance(ins["past_occ"][0], str)
-    assert "future_motion" in ins and ins["future_motion"][1:] == [2, 3]
-    assert outs["future_occ"][1:] == [2, 16, 16, 4]
-    assert m.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.UINT8
+    assert ins == {"codes": ["batch", "frames", 4, 4], "motion": ["batch", "frames", 3]}
+    assert outs["next_codes"][1:] == [4, 4] and outs["next_motion"][1:] == [3]
+    assert set(rep["seconds"]) >= {"export_fp32_fp16", "total"} and rep["memory"]["host_peak_gib"] > 0
     assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_host_loop_over_the_graphs_is_the_rollout(trained, tmp_path):
+    """wm.export.forecast.forecast over the modules is WorldModel.rollout exactly; over the ONNX
+    files (onnxruntime) the same forecast, for every frame count the step graph sees."""
+    import torch
+
+    from wm.export.forecast import OrtGraphs, TorchGraphs, forecast
+    from wm.export.onnx import OUTPUTS, dynamic_shapes, example_inputs, export_graph, graphs
+
+    t = load_trained(trained.run_dir())
+    cfg = t.cfg
+    g = torch.Generator().manual_seed(3)
+    P, S = cfg.data.past, cfg.data.future
+    occ = torch.randint(0, cfg.data.num_classes, (3, P, *cfg.data.grid), generator=g).to(torch.uint8)
+    motion = torch.randn(3, P + S, 3, generator=g)
+    with torch.no_grad():
+        codes, _ = t.world.rollout(t.tokenizer.encode(occ), motion[:, :P], S, future_motion=motion[:, P:])
+        ref = t.tokenizer.decode(codes).argmax(2).to(torch.uint8)
+        mods = graphs(t)
+        assert torch.equal(forecast(TorchGraphs(mods), cfg, occ, motion[:, :P], motion[:, P:]), ref)
+        ex = example_inputs(t, 2)
+        for name, mod in mods.items():
+            export_graph(mod, ex[name], OUTPUTS[name], tmp_path / f"{name}.onnx", dynamic_shapes(t, name, ex[name], 8))
+        got = forecast(OrtGraphs({k: tmp_path / f"{k}.onnx" for k in mods}), cfg, occ, motion[:, :P], motion[:, P:])
+    assert float((got == ref).float().mean()) > 0.999
 
 
 def test_default_run_is_the_newest_world_run(trained, tmp_path):
@@ -102,21 +126,34 @@ def test_checkpoint_whose_config_does_not_fit_its_weights(trained, tmp_path):
 
 def test_cli_int8_writes_qdq_graphs_caches_and_report(trained, tmp_path):
     p = export("--run", str(trained.run_dir()), "--out", str(tmp_path), "--int8",
-               "--calib-windows", "8", "--eval-windows", "4")
+               "--calib-windows", "8", "--eval-windows", "100")
     assert p.returncode == 0, p.stderr[-3000:]
+    # more eval windows than the val split has: all of them, said in one line
+    assert "note: --eval-windows 100 but split 'val' has 9 windows" in p.stdout
     rep = json.loads((tmp_path / "report.json").read_text())
-    assert "onnx_int8" in json.dumps(rep) and "copy_last" in json.dumps(rep)
-    for name in ("forecaster", "tokenizer_encode", "tokenizer_decode"):
+    assert rep["accuracy"]["windows"] == 9 and rep["accuracy"]["engine"] == "onnxruntime"
+    assert "onnx_int8" in rep["accuracy"]["models"] and "copy_last" in rep["accuracy"]["models"]
+    for name in ("tokenizer_encode", "world_step", "tokenizer_decode"):
         assert (tmp_path / f"{name}.int8.onnx").is_file()
         assert (tmp_path / f"{name}.calib.cache").read_text().startswith("TRT-100300-EntropyCalibration2\n")
-    assert "int8" in json.loads((tmp_path / "export.json").read_text())
+    ex = json.loads((tmp_path / "export.json").read_text())
+    assert "int8" in ex and {"int8_histograms", "int8_thresholds", "int8_qdq", "int8_report"} <= set(ex["seconds"])
+    assert "calibration pass 2/2 (histograms): 8/8 windows" in p.stdout and "ETA" in p.stdout
 
 
-def test_cli_int8_too_few_windows_fails_before_exporting(trained, tmp_path):
-    msg = one_line_error(export("--run", str(trained.run_dir()), "--out", str(tmp_path), "--int8",
-                                "--calib-windows", "100000"))
-    assert "--calib-windows 100000" in msg and "train" in msg
-    assert not list(tmp_path.glob("*.onnx"))
+def test_world_checkpoint_on_another_tokenizer_is_refused(trained, tmp_path):
+    """The tokenizer on disk is not the one the world stage trained on (retrained or replaced): one
+    line, nothing exported."""
+    import torch
+
+    run = trained.run_dir()
+    st = torch.load(run / "world" / "checkpoints" / "best.pt", weights_only=True)
+    st["tokenizer"]["sha256"] = "0" * 64  # trained on a tokenizer that is no longer there
+    ck = tmp_path / "other.pt"
+    torch.save(st, ck)
+    msg = one_line_error(export("--run", str(run), "--ckpt", str(ck), "--out", str(tmp_path / "o")))
+    assert "tokenizer hash mismatch" in msg
+    assert not (tmp_path / "o").exists() or not list((tmp_path / "o").glob("*.onnx"))
 
 
 def test_fold_weight_transposes_keeps_the_function(tmp_path):

@@ -739,8 +739,11 @@ def test_profile_refusals_name_the_file(use_fake, tmp_path):
     with pytest.raises(WMError) as ei:
         build(dyn, tmp_path / "e2.plan")
     s = one_line(ei.value)
-    assert str(dyn) in s and "only the batch axis" in s
+    assert str(dyn) in s and "axis 1 (w) is dynamic and no range was given" in s
     assert not (tmp_path / "e2.plan").exists()
+    # a named dynamic axis with its range (world_step's frames): min/opt/max on that axis too
+    info = build(dyn, tmp_path / "e3.plan", dims={"w": (2, 5, 16)})
+    assert info["profile"]["x"] == [[1, 2], [4, 5], [8, 16]]
 
     for lo, mid, hi in ((4, 2, 8), (1, 9, 8), (0, 1, 2)):
         with pytest.raises(WMError):

@@ -408,6 +408,17 @@ class WorldModel(nn.Module):
         res["logits"], res["motion"] = out["logits"], out["motion"]
         return res
 
+    def step(self, codes: Tensor, motion: Tensor) -> tuple[Tensor, Tensor]:
+        """One rollout step: codes (B,T,h,w), motion (B,T,3) of the frames so far (2 <= T <= max_frames)
+        -> the next frame's argmax codes (B,h,w) long and predicted motion (B,3). What export's
+        `world_step` graph computes; the host loop (or rollout) appends and calls it again."""
+        x, p = self._trunk(codes, motion)
+        b, t = codes.shape[:2]
+        x_last = x.reshape(b, t, *x.shape[1:])[:, -1]
+        nxt = self.out_conv(F.silu(self.out_norm(x_last))).argmax(1)
+        m = motion.to(p.dtype)
+        return nxt, self._next_motion(p[:, -1], m[:, -1], displacement(m[:, -2:])[:, -1])
+
     def rollout(
         self, past_codes: Tensor, past_motion: Tensor, steps: int, future_motion: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
@@ -419,15 +430,8 @@ class WorldModel(nn.Module):
         motion = past_motion.float()
         p_len = codes.shape[1]
         for s in range(steps):
-            c_in, m_in = codes[:, -self.cfg.max_frames :], motion[:, -self.cfg.max_frames :]
-            x, p = self._trunk(c_in, m_in)
-            b, t = c_in.shape[:2]
-            x_last = x.reshape(b, t, *x.shape[1:])[:, -1]
-            nxt = self.out_conv(F.silu(self.out_norm(x_last))).argmax(1)  # (B, h, w)
-            if future_motion is None:
-                m = m_in.to(p.dtype)
-                m_next = self._next_motion(p[:, -1], m[:, -1], displacement(m[:, -2:])[:, -1])
-            else:
+            nxt, m_next = self.step(codes[:, -self.cfg.max_frames :], motion[:, -self.cfg.max_frames :])
+            if future_motion is not None:
                 m_next = future_motion[:, s].to(motion.dtype)
             codes = torch.cat([codes, nxt[:, None]], 1)
             motion = torch.cat([motion, m_next[:, None].to(motion.dtype)], 1)

@@ -186,6 +186,25 @@ class HistogramCollector:
         counts[: len(h.counts)] += h.counts
         h.counts = counts
 
+    def add_counts(self, name: str, counts, amax: float, batches: int = 1) -> None:
+        """Add counts binned elsewhere (on the GPU: wm.export.collect) over the preset range [0, r]
+        of set_range(name, r) in num_bins equal bins, values equal to r in the last bin; `amax` is
+        their exact max |x| (at most r). The same histogram update() builds from the raw values."""
+        h = self._h.get(name)
+        if h is None or not h.preset:
+            raise ValueError(f"tensor {name!r}: add_counts needs set_range first")
+        c = np.asarray(counts, dtype=np.int64).ravel()
+        if c.size != self.num_bins:
+            raise ValueError(f"tensor {name!r}: {c.size} counts, expected {self.num_bins}")
+        amax = float(amax)
+        if not math.isfinite(amax) or amax > h.preset * (1 + 1e-6):
+            raise ValueError(f"tensor {name!r}: max {amax!r} outside the preset range {h.preset!r}")
+        self._batches[name] = self._batches.get(name, 0) + int(batches)
+        h.amax = max(h.amax, amax)
+        if h.counts is None:
+            h.counts, h.width = np.zeros(self.num_bins, np.int64), h.preset / self.num_bins
+        h.counts[: c.size] += c
+
     # -- results ------------------------------------------------------------------------------
 
     def names(self) -> list[str]:

@@ -1,13 +1,26 @@
-"""ONNX export of a trained run: the forecaster and the tokenizer, checked against PyTorch.
+"""ONNX export of a trained run: the three graphs a deployment runs, checked against PyTorch.
 
 Graphs (batch dimension dynamic in all of them):
 
-- `forecaster.onnx`: past occupancy uint8 (B, P, X, Y, Z) + past ego motion (B, P, 3) [+ future
-  ego motion (B, S, 3) when the run forecasts with given motion] -> future occupancy uint8
-  (B, S, X, Y, Z). Encode, the world model's rollout unrolled to the configured horizon, decode,
-  argmax: one graph, what a deployment runs.
 - `tokenizer_encode.onnx`: occupancy uint8 (B, X, Y, Z) -> codes int64 (B, X/4, Y/4).
+- `world_step.onnx`: ONE world-model step: codes int64 (B, T, h, w) + ego motion float32 (B, T, 3) of
+  the frames so far (T dynamic, 2..world.max_frames) -> the next frame's codes (B, h, w) and
+  predicted ego motion (B, 3).
 - `tokenizer_decode.onnx`: codes int64 (B, X/4, Y/4) -> logits float32 (B, C, X, Y, Z).
+
+The forecast (past occupancy + motion -> future occupancy) is the host loop of
+:mod:`wm.export.forecast` over them: encode the past frames, call `world_step` once per future frame
+(appending its codes and motion, or the given future motion), decode. Why not one unrolled graph:
+at the `occworld` size the encoder + 6 world-model steps + decoder unrolled into one graph took
+880 s to export on 2 CPU cores (and > 9 minutes on a 32-core host) and 268 MiB, while the step graph
+exports in under a minute (measured in BENCHMARKS.md); the horizon becomes a runtime choice, and
+TensorRT builds three small engines instead of one huge one. ONNX `Loop` would keep one file but
+hides the step from TensorRT's optimizer and from our INT8 calibration.
+
+Attention is exported in its explicit form (``softmax(q k^T * s) v``: see :func:`explicit_attention`),
+what the ONNX exporter decomposes SDPA into anyway, so every tensor that feeds a MatMul is an FX
+node of the exported program with the same name: INT8 calibration can then run the PyTorch
+program (on the GPU where there is one) and find each ONNX tensor by name.
 
 Every file is written to a temporary name, checked with `onnx.checker`, then renamed: nothing
 half-written ever sits under a final name.
@@ -96,11 +109,12 @@ def load_trained(run: str | os.PathLike, ckpt: Optional[str | os.PathLike] = Non
         cfg = from_dict(Config, st["config"]).validate()
     except ConfigError as e:
         raise ExportError(f"{ckpt}: its config is refused ({e})") from None
-    tinfo = st.get("tokenizer") or {}
-    tpath = Path(tinfo.get("path", ""))
-    if not tpath.is_file():
-        raise ExportError(f"{ckpt} was trained on tokenizer {tpath}, which is missing; restore it "
-                          "(the world model's codes mean nothing without it)")
+    from wm.evaluate import world_tokenizer
+
+    try:  # found where recorded (or in this run), its sha256 what the world stage trained on
+        tpath, _ = world_tokenizer(st, ckpt, run)
+    except WMError as e:
+        raise ExportError(str(e)) from None
     tst = load(tpath)
     tok = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
     world = WorldModel(cfg.world, cfg.tokenizer.codebook_size)
@@ -135,41 +149,48 @@ class Decode(nn.Module):
         return self.tok.decode(codes)
 
 
-class Forecast(nn.Module):
-    """Past occupancy (+ ego motion) -> future occupancy, the rollout unrolled `steps` times."""
-
-    def __init__(self, tok: Tokenizer, world: WorldModel, steps: int, given_motion: bool):
+class WorldStep(nn.Module):
+    def __init__(self, world: WorldModel):
         super().__init__()
-        self.tok, self.world, self.steps, self.given = tok, world, steps, given_motion
+        self.world = world
 
-    def forward(self, past_occ, past_motion, future_motion=None):
-        codes = self.tok.encode(past_occ)
-        fut, _ = self.world.rollout(codes, past_motion, self.steps,
-                                    future_motion=future_motion if self.given else None)
-        return self.tok.decode(fut).argmax(2).to(torch.uint8)
+    def forward(self, codes, motion):
+        return self.world.step(codes, motion)
 
 
-def example_inputs(t: Trained, batch: int, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
-    """Random but valid inputs of every graph (class ids in range, motion of driving size)."""
+GRAPH_NAMES = ("tokenizer_encode", "world_step", "tokenizer_decode")
+OUTPUTS = {"tokenizer_encode": ["codes"], "world_step": ["next_codes", "next_motion"],
+           "tokenizer_decode": ["logits"]}
+
+
+def example_inputs(t: Trained, batch: int, seed: int = 0, frames: Optional[int] = None) -> dict[str, dict[str, torch.Tensor]]:
+    """Random but valid inputs of every graph (class ids and codes in range, motion of driving
+    size); world_step gets `frames` frames (default: data.past)."""
     cfg, g = t.cfg, torch.Generator().manual_seed(seed)
     X, Y, Z = cfg.data.grid
-    P, S, C = cfg.data.past, cfg.data.future, cfg.data.num_classes
+    C, K = cfg.data.num_classes, cfg.tokenizer.codebook_size
+    T = frames or cfg.data.past
     h, w = X // 4, Y // 4
-    occ = torch.randint(0, C, (batch, P, X, Y, Z), generator=g).to(torch.uint8)
-    motion = torch.randn(batch, P + S, 3, generator=g) * torch.tensor([5.0, 0.5, 0.05])
-    fc = {"past_occ": occ, "past_motion": motion[:, :P]}
-    if cfg.train.forecast_motion == "given":
-        fc["future_motion"] = motion[:, P:]
-    return {"forecaster": fc,
-            "tokenizer_encode": {"occ": occ[:, 0]},
-            "tokenizer_decode": {"codes": torch.randint(0, cfg.tokenizer.codebook_size, (batch, h, w), generator=g)}}
+    occ = torch.randint(0, C, (batch, X, Y, Z), generator=g).to(torch.uint8)
+    motion = torch.randn(batch, T, 3, generator=g) * torch.tensor([5.0, 0.5, 0.05])
+    return {"tokenizer_encode": {"occ": occ},
+            "world_step": {"codes": torch.randint(0, K, (batch, T, h, w), generator=g), "motion": motion},
+            "tokenizer_decode": {"codes": torch.randint(0, K, (batch, h, w), generator=g)}}
 
 
-def graphs(t: Trained) -> dict[str, tuple[nn.Module, list[str]]]:
-    given = t.cfg.train.forecast_motion == "given"
-    return {"forecaster": (Forecast(t.tokenizer, t.world, t.cfg.data.future, given).eval(), ["future_occ"]),
-            "tokenizer_encode": (Encode(t.tokenizer).eval(), ["codes"]),
-            "tokenizer_decode": (Decode(t.tokenizer).eval(), ["logits"])}
+def graphs(t: Trained) -> dict[str, nn.Module]:
+    """{graph name: the module whose forward is exactly what the graph computes}."""
+    return {"tokenizer_encode": Encode(t.tokenizer).eval(), "world_step": WorldStep(t.world).eval(),
+            "tokenizer_decode": Decode(t.tokenizer).eval()}
+
+
+def dynamic_shapes(t: Trained, name: str, inputs: dict, max_batch: int) -> tuple:
+    """torch.export dims of a graph's inputs: the batch everywhere, the frames of world_step."""
+    batch = torch.export.Dim("batch", min=1, max=max_batch)
+    if name == "world_step":
+        frames = torch.export.Dim("frames", min=2, max=t.cfg.world.max_frames)
+        return ({0: batch, 1: frames}, {0: batch, 1: frames})
+    return tuple({0: batch} for _ in inputs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,25 +216,54 @@ def _exporter_quiet():
         lg.setLevel(level)
 
 
+@contextlib.contextmanager
+def explicit_attention():
+    """While exporting, F.scaled_dot_product_attention is traced as ``softmax(q k^T * s + mask) v``:
+    the same math the ONNX exporter decomposes SDPA into, but as FX nodes, so the tensors feeding
+    its two MatMuls (q * s, k^T, the softmax) carry FX names in the ONNX graph and the PyTorch
+    calibration path finds them (wm.export.collect). Restored on exit."""
+    import torch.nn.functional as F
+
+    orig = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        s = q.shape[-1] ** -0.5 if scale is None else scale
+        a = (q * s) @ k.transpose(-2, -1)
+        if is_causal:
+            L, S = q.shape[-2], k.shape[-2]
+            a = a.masked_fill(torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        if attn_mask is not None:
+            a = a.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else a + attn_mask
+        return a.softmax(-1) @ v
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = orig
+
+
 def export_graph(module: nn.Module, inputs: dict[str, torch.Tensor], outputs: list[str], path: Path,
-                 max_batch: int = 64, quiet: bool = True) -> float:
-    """torch.onnx.export (dynamo) with a dynamic batch, checked, written atomically. Returns seconds."""
+                 dynamic: tuple, quiet: bool = True):
+    """torch.onnx.export (dynamo) with the `dynamic` dims (:func:`dynamic_shapes`), checked, written
+    atomically. Returns (seconds, the torch.export program the graph was translated from: its FX
+    node names are the ONNX tensor names, see wm.export.collect)."""
     import onnx
 
     path = Path(path)
     tmp = tmp_path(path)
-    batch = torch.export.Dim("batch", min=1, max=max_batch)
     t0 = time.perf_counter()
     sink = io.StringIO()
     try:
-        with torch.no_grad(), contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext(), \
+        with torch.no_grad(), explicit_attention(), \
+                contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext(), \
                 _exporter_quiet() if quiet else contextlib.nullcontext():
-            torch.onnx.export(module, tuple(inputs.values()), str(tmp), input_names=list(inputs),
-                              output_names=outputs, dynamic_shapes=tuple({0: batch} for _ in inputs),
-                              dynamo=True, external_data=False)
-        model = onnx.load(str(tmp))
-        if fold_weight_transposes(model):
-            onnx.save(model, str(tmp))
+            prog = torch.onnx.export(module, tuple(inputs.values()), input_names=list(inputs),
+                                     output_names=outputs, dynamic_shapes=dynamic, dynamo=True,
+                                     external_data=False, optimize=True)
+        model = prog.model_proto
+        fold_weight_transposes(model)
+        onnx.save(model, str(tmp))
         onnx.checker.check_model(str(tmp), full_check=True)
         publish(tmp, path)
     except OSError as e:
@@ -224,7 +274,7 @@ def export_graph(module: nn.Module, inputs: dict[str, torch.Tensor], outputs: li
         if isinstance(e, WMError):
             raise
         raise ExportError(f"exporting {path.name} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, prog.exported_program
 
 
 def fold_weight_transposes(model) -> int:
@@ -270,15 +320,22 @@ def session(path: Path, threads: int = 0):
 
 def compare(module: nn.Module, path: Path, inputs: dict[str, torch.Tensor]) -> dict:
     """Run the graph in onnxruntime and the module in PyTorch on the same inputs: class agreement
-    (integer outputs: fraction equal; logits: fraction of equal argmax over classes) and the max
-    absolute difference of float outputs."""
+    (integer outputs: fraction equal; logits: fraction of equal argmax over classes; the lowest over
+    the outputs) and the max absolute difference of float outputs (None if there are none)."""
     sess = session(path)
-    got = sess.run(None, {k: v.numpy() for k, v in inputs.items()})[0]
+    got = sess.run(None, {k: v.numpy() for k, v in inputs.items()})
     with torch.no_grad():
-        ref = module(*inputs.values()).numpy()
-    if got.shape != ref.shape:
-        raise ExportError(f"{path.name}: onnxruntime gives shape {got.shape}, PyTorch {ref.shape}")
-    if np.issubdtype(ref.dtype, np.floating):
-        return {"class_agreement": float((got.argmax(1) == ref.argmax(1)).mean()),
-                "max_abs_diff": float(np.abs(got.astype(np.float64) - ref).max())}
-    return {"class_agreement": float((got == ref).mean()), "max_abs_diff": None}
+        ref = module(*inputs.values())
+    ref = [r.numpy() for r in (ref if isinstance(ref, (tuple, list)) else (ref,))]
+    agree, diff = 1.0, None
+    for g, r in zip(got, ref):
+        if g.shape != r.shape:
+            raise ExportError(f"{path.name}: onnxruntime gives shape {g.shape}, PyTorch {r.shape}")
+        if np.issubdtype(r.dtype, np.floating):
+            d = float(np.abs(g.astype(np.float64) - r).max())
+            diff = d if diff is None else max(diff, d)
+            if r.ndim >= 2 and r.shape[1] > 1 and r.ndim > 2:  # logits: classes on axis 1
+                agree = min(agree, float((g.argmax(1) == r.argmax(1)).mean()))
+        else:
+            agree = min(agree, float((g == r).mean()))
+    return {"class_agreement": agree, "max_abs_diff": diff}

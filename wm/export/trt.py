@@ -12,8 +12,9 @@ Written against the TensorRT 10.x and 11.x Python APIs:
   bit is always taken from the enum, never written as a literal (with EXPLICIT_BATCH gone, the 11.x
   headers number it differently from 10.x). ``EXPLICIT_BATCH`` is never used: 10.0 made every
   network explicit batch and deprecated the flag, 11.x removed it.
-- Dynamic batch: one optimization profile; for every network input, dim 0 gets min/opt/max batch and
-  the other dims are taken from the parsed network (they must be static).
+- Dynamic batch: one optimization profile; for every network input, dim 0 gets min/opt/max batch,
+  another dynamic axis (world_step's "frames") the range the caller gives its ONNX name (``dims``),
+  and the other dims are taken from the parsed network.
 - ``builder.build_serialized_network(network, config)`` (an ``IHostMemory``, or ``None`` when the
   build fails: the reason is only in the logger, which we capture); the workspace limit goes through
   ``config.set_memory_pool_limit(MemoryPoolType.WORKSPACE, bytes)``.
@@ -226,22 +227,47 @@ def _network_inputs(network) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _profile_shapes(inputs, onnx_path: Path, min_batch: int, opt_batch: int, max_batch: int):
-    """{name: (min, opt, max)} over dim 0 with the other dims from the network."""
+def _onnx_dim_names(onnx_path: Path) -> dict[str, list]:
+    """{input: [dim_param name or None per axis]} of an ONNX file's inputs ({} if unreadable)."""
+    import onnx
+
+    try:
+        model = onnx.load(str(onnx_path), load_external_data=False)
+    except Exception:
+        return {}
+    return {vi.name: [d.dim_param or None for d in vi.type.tensor_type.shape.dim] for vi in model.graph.input}
+
+
+def _profile_shapes(inputs, onnx_path: Path, min_batch: int, opt_batch: int, max_batch: int,
+                    dims: Mapping[str, Sequence[int]] | None = None):
+    """{name: (min, opt, max)}: dim 0 is the batch; another dynamic axis takes the (min, opt, max)
+    that `dims` gives its ONNX name (e.g. world_step's "frames"), else the network is refused."""
+    dims = dict(dims or {})
+    names = _onnx_dim_names(onnx_path) if any(d < 0 for _, s in inputs for d in s[1:]) else {}
     shapes = {}
     for name, shape in inputs:
         if len(shape) == 0:
             raise TrtError(f"input '{name}' of {onnx_path} is a scalar: every input needs a leading "
                            "batch axis")
-        rest = shape[1:]
-        if any(d < 0 for d in rest):
-            raise TrtError(f"input '{name}' of {onnx_path} has shape {list(shape)}: only the batch "
-                           "axis (dim 0) may be dynamic; export the other axes static")
         if shape[0] >= 0 and not (min_batch == opt_batch == max_batch == shape[0]):
             raise TrtError(f"input '{name}' of {onnx_path} has a fixed batch of {shape[0]}, but the "
                            f"profile asks for {min_batch}/{opt_batch}/{max_batch}; export it with a "
                            "dynamic batch axis")
-        shapes[name] = tuple((b,) + rest for b in (min_batch, opt_batch, max_batch))
+        lo, mid, hi = [min_batch], [opt_batch], [max_batch]
+        for ax, d in enumerate(shape[1:], 1):
+            dn = (names.get(name) or [None] * len(shape))[ax] if d < 0 else None
+            if d >= 0:
+                rng = (d, d, d)
+            elif dn in dims:
+                rng = tuple(int(x) for x in dims[dn])
+            else:
+                raise TrtError(f"input '{name}' of {onnx_path} has shape {list(shape)}: axis {ax} "
+                               f"({dn or 'unnamed'}) is dynamic and no range was given for it; pass "
+                               f"dims={{'{dn or 'name'}': (min, opt, max)}}")
+            lo.append(rng[0])
+            mid.append(rng[1])
+            hi.append(rng[2])
+        shapes[name] = (tuple(lo), tuple(mid), tuple(hi))
     return shapes
 
 
@@ -259,7 +285,8 @@ def _write_atomic(path: Path, data) -> int:
 
 def build_engine(onnx_path, engine_path, *, min_batch: int, opt_batch: int, max_batch: int,
                  strongly_typed: bool = True, fp16_fallback: bool = False, workspace_gib: float = 4,
-                 int8_cache=None, implicit_int8: bool = False, verbose: bool = False) -> dict:
+                 int8_cache=None, implicit_int8: bool = False, verbose: bool = False,
+                 dims: Mapping[str, Sequence[int]] | None = None) -> dict:
     """Build a TensorRT engine from `onnx_path` and save it atomically at `engine_path`.
 
     Default (10.x and 11.x): a strongly typed network from the Q/DQ ONNX; precision is what the
@@ -344,7 +371,7 @@ def build_engine(onnx_path, engine_path, *, min_batch: int, opt_batch: int, max_
     inputs = _network_inputs(network)
     if not inputs:
         raise TrtError(f"{onnx_path} has no inputs after parsing")
-    shapes = _profile_shapes(inputs, onnx_path, min_batch, opt_batch, max_batch)
+    shapes = _profile_shapes(inputs, onnx_path, min_batch, opt_batch, max_batch, dims)
 
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
@@ -584,9 +611,11 @@ def trtexec_command(onnx_path, engine_path, shapes: Mapping[str, Sequence[Sequen
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def onnx_profile_shapes(onnx_path, min_batch: int, opt_batch: int, max_batch: int) -> dict:
+def onnx_profile_shapes(onnx_path, min_batch: int, opt_batch: int, max_batch: int,
+                        dims: Mapping[str, Sequence[int]] | None = None) -> dict:
     """{input: (min, opt, max)} from the ONNX file itself (for :func:`trtexec_command` where
-    TensorRT is absent): dim 0 is the batch, every other dim must be a fixed number."""
+    TensorRT is absent): dim 0 is the batch, another dynamic axis takes its range from `dims` by
+    its ONNX name, every other dim must be a fixed number."""
     import onnx
 
     onnx_path = Path(onnx_path)
@@ -599,11 +628,9 @@ def onnx_profile_shapes(onnx_path, min_batch: int, opt_batch: int, max_batch: in
     for vi in model.graph.input:
         if vi.name in inits:
             continue
-        dims = []
-        for d in vi.type.tensor_type.shape.dim:
-            dims.append(int(d.dim_value) if d.HasField("dim_value") else -1)
-        inputs.append((vi.name, tuple(dims)))
-    return _profile_shapes(inputs, onnx_path, min_batch, opt_batch, max_batch)
+        shape = [int(d.dim_value) if d.HasField("dim_value") else -1 for d in vi.type.tensor_type.shape.dim]
+        inputs.append((vi.name, tuple(shape)))
+    return _profile_shapes(inputs, onnx_path, min_batch, opt_batch, max_batch, dims)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -623,7 +650,8 @@ def _agreement(got, ref) -> dict:
 
 
 def deploy(onnx_files: Mapping[str, Path], feeds: Mapping[str, Mapping[str, Any]], *, max_batch: int,
-           opt_batch: int = 1, log: Callable[[str], None] = print, timing_iters: int = 50) -> dict:
+           opt_batch: int = 1, log: Callable[[str], None] = print, timing_iters: int = 50,
+           dims: Mapping[str, Sequence[int]] | None = None) -> dict:
     """`export.py`'s TensorRT step for each `{graph name: ONNX file}` (the Q/DQ ONNX for INT8).
 
     Where TensorRT and a GPU are here: build a strongly typed engine `<file stem>.engine` next to the
@@ -641,7 +669,7 @@ def deploy(onnx_files: Mapping[str, Path], feeds: Mapping[str, Mapping[str, Any]
         log(f"TensorRT engines not built: {why}. On the target machine run:")
         for name, path in onnx_files.items():
             engine = Path(path).with_suffix(".engine")
-            cmd = trtexec_command(path, engine, onnx_profile_shapes(path, 1, opt_batch, max_batch))
+            cmd = trtexec_command(path, engine, onnx_profile_shapes(path, 1, opt_batch, max_batch, dims))
             res["graphs"][name] = {"onnx": Path(path).name, "trtexec": cmd}
             log(f"  {cmd}")
         return res
@@ -651,7 +679,7 @@ def deploy(onnx_files: Mapping[str, Path], feeds: Mapping[str, Mapping[str, Any]
     for name, path in onnx_files.items():
         path = Path(path)
         engine = path.with_suffix(".engine")
-        info = build_engine(path, engine, min_batch=1, opt_batch=opt_batch, max_batch=max_batch)
+        info = build_engine(path, engine, min_batch=1, opt_batch=opt_batch, max_batch=max_batch, dims=dims)
         runner = TrtRunner(engine)
         feed = {k: np.ascontiguousarray(v) for k, v in feeds[name].items()}
         full = {k: torch.from_numpy(v) for k, v in feed.items()}
