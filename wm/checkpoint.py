@@ -437,12 +437,19 @@ def _problem(path: Path) -> str | None:
         return f"cannot be read ({first_line(e)})"
 
 
+def _refused(path: Path, why: str) -> CheckpointError:
+    """The one-line error for a checkpoint that fails; `.why` keeps the phrase for newest_valid."""
+    e = CheckpointError(f"checkpoint {path} {why}; {_prev_hint(path)}")
+    e.why = why
+    return e
+
+
 def verify(path: str | os.PathLike) -> None:
     """Check a checkpoint file against its checksum record; CheckpointError (one line) if it fails."""
     path = Path(path)
     why = _problem(path)
     if why is not None:
-        raise CheckpointError(f"checkpoint {path} {why}; {_prev_hint(path)}")
+        raise _refused(path, why)
 
 
 def _prev_hint(path: Path) -> str:
@@ -462,16 +469,15 @@ def load_checked(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except OSError as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {first_line(e)}") from e
+        raise _refused(path, f"cannot be read ({first_line(e)})") from e
     except pickle.UnpicklingError as e:  # torch's own message would advise the unsafe way: not quoted
-        raise CheckpointError(f"checkpoint {path} holds Python objects other than tensors and plain data, so "
-                              f"it is not a wm checkpoint (or it is damaged) and was not loaded; "
-                              f"{_prev_hint(path)}") from e
+        raise _refused(path, "holds Python objects other than tensors and plain data, so it is not a wm "
+                             "checkpoint (or it is damaged) and was not loaded") from e
     except Exception as e:  # torch raises RuntimeError/EOFError/... for damage
         msg = first_line(e)
         if "weights_only" in msg or "Weights only" in msg:
             msg = type(e).__name__
-        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({msg}); {_prev_hint(path)}") from e
+        raise _refused(path, f"is truncated or corrupt ({msg})") from e
 
 
 load = load_checked  # the historical name: every load is a checked one
@@ -506,8 +512,7 @@ def newest_valid(folder: str | os.PathLike, map_location: Any = "cpu", say: Call
         try:
             return p, load_checked(p, map_location)
         except CheckpointError as e:
-            why = str(e).split(f"{p} ", 1)[-1].split("; ")[0]
-            say(f"warning: skipped {p}: it {why}")
+            say(f"warning: skipped {p}: it {getattr(e, 'why', e)}")
             skipped.append(p.name)
     unfinished = [p.name for p in list_checkpoints(folder) if p not in cands]
     if not skipped and not unfinished:
