@@ -4,7 +4,8 @@
     python tools/bench_data.py --windows 400 --workers 2 --json bench_data.json
     python tools/bench_data.py --cold                   # drop each layout's files from the page cache first
 
-The same synthetic frames are written as HDF5 shards (each compression in wm.shards.COMPRESSIONS),
+The same synthetic frames are written as HDF5 shards (each compression in wm.shards.COMPRESSIONS,
+with the fletcher32 chunk checksums wm writes, and the default compression once without them),
 as a memmap shard, and in Occ3D's layout (`<scene>/<frame>/labels.npz` holding `semantics`, one
 np.savez_compressed file per frame: the baseline). The same random windows (past + future frames
 of one scene) are then read through wm's dataset (`OccWindows`: the path training uses, class
@@ -115,7 +116,9 @@ def main(argv=None) -> int:
     grid = tuple(a.grid)
     base = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="wm-bench-"))
     base.mkdir(parents=True, exist_ok=True)
-    layouts = [f"hdf5-{c}" for c in COMPRESSIONS] + ["memmap", "npz"]
+    # every HDF5 layout carries fletcher32 chunk checksums (as wm writes them); "-nocheck" is the
+    # default compression without them, to measure what the checksum costs on read
+    layouts = [f"hdf5-{c}" for c in COMPRESSIONS] + [f"hdf5-{DEFAULT_COMPRESSION}-nocheck", "memmap", "npz"]
     if a.layouts:
         unknown = set(a.layouts) - set(layouts)
         if unknown:
@@ -144,9 +147,9 @@ def main(argv=None) -> int:
                         (d / f"{k:03d}").mkdir()
                         np.savez_compressed(d / f"{k:03d}" / "labels.npz", semantics=f)
             else:
-                kind, comp = ("memmap", "none") if lay == "memmap" else ("hdf5", lay.split("-", 1)[1])
+                kind, comp = ("memmap", "none") if lay == "memmap" else ("hdf5", lay.split("-")[1])
                 with ShardWriter(p / f"train-00000{'.mm' if kind == 'memmap' else '.h5'}", kind, info,
-                                 compression=comp) as w:
+                                 compression=comp, checksum=not lay.endswith("-nocheck")) as w:
                     for s in scenes:
                         w.add_scene(s["name"], s["occ"], s["pose"], s["timestamp"])
                     entry = w.close()
@@ -188,7 +191,7 @@ def main(argv=None) -> int:
     print(f"\nrandom windows of {cfg.window} frames ({a.past} past + {a.future} future), grid "
           f"{'x'.join(map(str, grid))} ({raw_frame / 1e3:.0f} kB raw/frame), {a.windows} windows per run, "
           f"{'cold' if a.cold else 'warm'} page cache, {os.cpu_count()} cores, workers={a.workers}, batch={a.batch}")
-    head = (f"{'layout':<12}{'bytes/frame':>12}{'x smaller':>10}{'win/s':>9}{'MB/s':>8}{'vs npz':>8}"
+    head = (f"{'layout':<19}{'bytes/frame':>12}{'x smaller':>10}{'win/s':>9}{'MB/s':>8}{'vs npz':>8}"
             f"{'win/s@' + str(a.workers) + 'w':>11}{'MB/s':>8}{'vs npz':>8}{'open ms':>9}")
     print(head)
     print("-" * len(head))
@@ -196,7 +199,7 @@ def main(argv=None) -> int:
         r["speedup_vs_npz"] = r["windows_per_s"] / npz["windows_per_s"]
         r["loader_speedup_vs_npz"] = r["loader_windows_per_s"] / npz["loader_windows_per_s"]
         tag = " (default)" if lay == f"hdf5-{DEFAULT_COMPRESSION}" else ""
-        print(f"{lay:<12}{r['bytes_per_frame']:>12.0f}{r['ratio_vs_raw']:>9.1f}x{r['windows_per_s']:>9.1f}"
+        print(f"{lay:<19}{r['bytes_per_frame']:>12.0f}{r['ratio_vs_raw']:>9.1f}x{r['windows_per_s']:>9.1f}"
               f"{r['mb_per_s']:>8.0f}{r['speedup_vs_npz']:>7.1f}x{r['loader_windows_per_s']:>11.1f}"
               f"{r['loader_mb_per_s']:>8.0f}{r['loader_speedup_vs_npz']:>7.1f}x{r['open_ms']:>9.1f}{tag}")
     checks = []
@@ -206,6 +209,12 @@ def main(argv=None) -> int:
     if d:
         checks.append((f"hdf5-{DEFAULT_COMPRESSION} >= 2x npz", d["speedup_vs_npz"] >= 2))
         checks.append((f"hdf5-{DEFAULT_COMPRESSION} >= 30x smaller than raw", d["ratio_vs_raw"] >= 30))
+    nc = results.get(f"hdf5-{DEFAULT_COMPRESSION}-nocheck")
+    if d and nc:
+        d["checksum_read_cost"] = 1 - d["windows_per_s"] / nc["windows_per_s"]  # negative: noise won
+        print(f"fletcher32 chunk checksums: hdf5-{DEFAULT_COMPRESSION} reads {d['windows_per_s']:.1f} windows/s with "
+              f"them, {nc['windows_per_s']:.1f} without (read rate {-100 * d['checksum_read_cost']:+.1f} %), "
+              f"{d['bytes_per_frame'] - nc['bytes_per_frame']:+.0f} bytes/frame")
     for name, ok in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {name} (single process)")
     if a.json:

@@ -56,6 +56,13 @@ def main(argv=None) -> int:
 
     m = load_manifest(a.root)
     info = m.info
+    if a.verify:  # first: a damaged shard (HDF5 or memmap) must be named, not fail the summary below
+        problems = verify(m.root)
+        for p in problems:
+            print(f"CORRUPT {p}")
+        print(f"verify: {len(m.shards) - len(problems)}/{len(m.shards)} shards match the manifest")
+        if problems:
+            return 1
     print(f"data set  {m.root}  ({MANIFEST} fingerprint {m.fingerprint[:16]})")
     print(f"grid      {' x '.join(map(str, info.grid))} voxels of {' x '.join(f'{v:g}' for v in info.voxel_size)} m,"
           f" range {list(info.range)}, {info.frame_rate_hz:g} Hz, masks: {'yes' if info.has_mask else 'no'}")
@@ -82,12 +89,6 @@ def main(argv=None) -> int:
             print(f"  {c:>3} {info.class_names[c]:<22}{frac[c] * 100:>8.3f} %   rgb{tuple(int(v) for v in pal[c])}")
 
     status = 0
-    if a.verify:
-        problems = verify(m.root)
-        for p in problems:
-            print(f"CORRUPT {p}")
-        print(f"verify: {len(m.shards) - len(problems)}/{len(m.shards)} shards match the manifest")
-        status = 1 if problems else 0
 
     if a.png:
         out = Path(a.png)

@@ -1,22 +1,54 @@
 """Atomic, rotating, asynchronous checkpoints and the exact-resume state helpers (DESIGN.md §5).
 
-Layout of a checkpoints folder (``runs/<name>/checkpoints/``)::
+Layout of a checkpoints folder (``runs/<name>/<stage>/checkpoints/``)::
 
-    step_000001000.pt     one complete checkpoint per saved step (torch.save, zip format)
-    step_000002000.pt     ... the newest `keep_last` of them; older ones are rotated away
-    latest                JSON pointer to the newest complete checkpoint:
-                          {"file": "step_000002000.pt", "step": 2000, "size": ..., "sha256": ...}
-    best.pt               hard link to the step file with the best metric (never rotated away)
-    best.json             {"source": "step_...pt", "step": ..., "metric": ..., "mode": ..., "value": ...}
+    step_000001000.pt         one complete checkpoint per saved step (torch.save, zip format)
+    step_000001000.pt.sha256  its sha256 (``sha256sum -c`` format): written after the file, it is
+                              what makes the step file count (a step file without it is unfinished)
+    step_000002000.pt (+ .sha256)  ... the newest `keep_last` of them; older ones are rotated away
+    latest                    JSON pointer to the newest committed checkpoint:
+                              {"file": "step_000002000.pt", "step": 2000, "size": ..., "sha256": ...}
+    best.pt                   hard link to the step file with the best metric (never rotated away)
+    best.json                 {"source": "step_...pt", "step", "metric", "mode", "value", "size", "sha256"}:
+                              best.pt's checksum record
     .step_000003000.pt.tmp-<pid>   a write in progress (or left by a killed process; removed on start)
 
-Guarantees:
+Every file is written to a ``.<name>.tmp-<pid>`` file in the same folder, flushed, fsynced,
+``os.replace``-d onto its name, and the folder is fsynced; so a name holds the old file or the
+complete new one. The save of step N makes these renames, in this order (the done.json of a stage
+is written by the loop after the stage's last save has finished: ``Checkpointer.close``):
 
-- A file exists under a checkpoint name (``step_*.pt``, ``best.pt``, ``latest``, ``best.json``) only
-  once it is complete: it is written to a ``.<name>.tmp-<pid>`` file in the same folder, flushed,
-  fsynced, ``os.replace``-d onto its name, and the folder is fsynced.
-- The pointer is replaced only after the checkpoint it names is complete; rotation deletes the oldest
-  step files beyond ``keep_last`` only after the new one is saved.
+    1. step_N.pt             the state
+    2. best.pt               only if step N is a new best (a hard link of step_N.pt, renamed on)
+    3. best.json             only if step N is a new best: best.pt's checksum, metric and value
+    4. step_N.pt.sha256      commits step N: from here on it counts as a valid checkpoint
+    5. latest                the pointer (the fast path to the newest checkpoint)
+    6. rotation              step files beyond `keep_last` (the file, then its .sha256)
+    (loop) done.json         the stage is finished: only after the last save's step 5 is on disk
+
+Why no kill at any instant loses best, latest or a finished stage:
+
+- before 4, step N does not count (no checksum file), so a restart resumes from step N-1 and
+  replays step N. A best update that began (2, 3) is redone by the replay with the same value, or,
+  if 3 had already happened, best.json already says N and best.pt holds N. Between 2 and 3 best.pt
+  (new) fails its check against best.json (old) and readers fall back to the newest valid step
+  file until the replay rewrites both. So best is never behind a committed step: the bug of
+  updating `latest` first (a resume from step N with best.json still at an older step, then a
+  worse step taking best.pt) cannot happen.
+- between 4 and 5 step N is valid and `latest` names N-1: a restart resumes from N-1 (the pointer)
+  and replays step N to the same bytes.
+- rotation deletes only files older than the newest `keep_last`, after 5; best.pt is its own link.
+- done.json is renamed on only after every save of the stage is on disk, so a finished stage is
+  never marked before its last checkpoint and best exist; a kill before it makes the rerun resume
+  at the last step and write it then.
+
+Integrity: every load checks the file against its record (the .sha256 file of a step file;
+best.json for best.pt; the `latest` pointer for a run written before .sha256 files existed); a file
+with no record anywhere (a checkpoint copied elsewhere) is checked against its zip's own CRC-32 of
+every record. :func:`load_checked` is the one way to load a checkpoint file; :func:`newest_valid`
+finds the newest one that passes in a folder, naming each one it skips. Nothing is ever loaded
+with anything but ``weights_only=True``, and no message suggests otherwise.
+
 - A failed save leaves no new file under a checkpoint name and no temp file, keeps every previous
   checkpoint and the pointer, and raises :class:`CheckpointError` (one line).
 - :meth:`Checkpointer.save` copies every tensor to CPU (a real copy, never an alias of live
@@ -35,11 +67,13 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import random
 import re
 import threading
 import time
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,6 +87,10 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "load",
+    "load_checked",
+    "newest_valid",
+    "verify",
+    "write_atomic",
     "latest_checkpoint",
     "list_checkpoints",
     "clean_stale_temps",
@@ -69,6 +107,7 @@ __all__ = [
 POINTER = "latest"
 BEST = "best.pt"
 BEST_JSON = "best.json"
+SUMS = ".sha256"  # a step file's checksum file: step_000001000.pt.sha256
 _STEP_RE = re.compile(r"^step_(\d{9,})\.pt$")
 _TMP_RE = re.compile(r"^\..+\.tmp-\d+$")
 
@@ -122,10 +161,12 @@ class _HashingWriter:
         self.f.flush()
 
 
-def _atomic_write(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
-    """Write `path` through `write(fileobj)` atomically; returns (size, sha256 hex).
+def write_atomic(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
+    """Write `path` through `write(fileobj)` atomically and durably; returns (size, sha256 hex).
 
-    On any failure the temp file is removed, `path` is left as it was, and the error propagates."""
+    The one path for every file wm must never leave half-written (checkpoints, their records, the
+    token cache). On any failure (a full disk included) the temp file is removed, `path` is left as
+    it was, and the OSError propagates: the caller turns it into one line."""
     tmp = _tmp_path(path)
     try:
         with open(tmp, "wb") as f:
@@ -148,6 +189,9 @@ def _atomic_write(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
         _unlink_quiet(path)  # its directory entry may not be durable: the save failed
         raise
     return w.size, w.sha.hexdigest()
+
+
+_atomic_write = write_atomic
 
 
 def _write_json_atomic(path: Path, obj: dict) -> None:
@@ -325,7 +369,8 @@ def _pointer_target(folder: Path) -> Path | None:
 def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint of `folder`: the one the `latest` pointer names (if the pointer
     is readable and the file exists with the recorded size), else the newest `step_*.pt` that
-    loads. None when there is none."""
+    loads. None when there is none. Its checksum is not read: load it with load_checked, or use
+    newest_valid, which does both."""
     folder = Path(folder)
     p = _pointer_target(folder)
     if p is not None:
@@ -336,34 +381,153 @@ def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
     return None
 
 
-def load(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
-    """`torch.load(path, map_location, weights_only=True)`; a missing, unreadable, truncated or
-    corrupt file raises CheckpointError naming it (and the previous checkpoint, if there is one)."""
-    path = Path(path)
+def _sums_file(path: Path) -> Path:
+    return path.with_name(path.name + SUMS)
 
-    def prev_hint() -> str:
-        prev = _previous_of(path)
-        return f"the previous checkpoint is {prev}" if prev else f"no earlier checkpoint in {path.parent}"
 
+def _write_sums(path: Path, sha: str) -> None:
+    """step_N.pt.sha256 in sha256sum's format (`sha256sum -c step_N.pt.sha256` checks it by hand)."""
+    data = f"{sha}  {path.name}\n".encode()
+    _atomic_write(_sums_file(path), lambda f: f.write(data))
+
+
+def _record(path: Path) -> tuple[str | None, str] | None:
+    """(sha256 or None if the record is damaged, where it is recorded) for `path`, or None if no
+    record names it: its .sha256 file, best.json for best.pt, or the `latest` pointer."""
+    sums = _sums_file(path)
+    if sums.exists():
+        try:
+            parts = sums.read_text().split()
+        except (OSError, UnicodeDecodeError):
+            parts = []
+        ok = len(parts) >= 2 and parts[1].lstrip("*") == path.name and re.fullmatch(r"[0-9a-f]{64}", parts[0])
+        return (parts[0] if ok else None), sums.name
+    if path.name == BEST:
+        d = _read_json(path.parent / BEST_JSON)
+        if d is not None or (path.parent / BEST_JSON).exists():
+            sha = d.get("sha256") if d else None
+            return (sha if isinstance(sha, str) else None), BEST_JSON
+    d = _read_json(path.parent / POINTER)
+    if d is not None and d.get("file") == path.name and isinstance(d.get("sha256"), str):
+        return d["sha256"], POINTER
+    return None
+
+
+def _problem(path: Path) -> str | None:
+    """Why `path` fails its integrity check (a short phrase), or None if it passes."""
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist; {prev_hint()}")
+        return "does not exist"
+    rec = _record(path)
+    try:
+        if rec is not None:
+            want, where = rec
+            if want is None:
+                return f"cannot be checked: its checksum record {where} is damaged"
+            got = sha256_file(path)
+            if got != want:
+                return (f"is truncated or corrupt (its sha256 is {got[:12]}..., {where} records "
+                        f"{want[:12]}...)")
+            return None
+        with zipfile.ZipFile(path) as z:  # no record anywhere: the archive's own CRC-32s
+            bad = z.testzip()
+        return None if bad is None else f"is truncated or corrupt (record {bad} fails its CRC-32)"
+    except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError) as e:
+        return f"is truncated or corrupt, or not a checkpoint ({first_line(e)})"
+    except OSError as e:
+        return f"cannot be read ({first_line(e)})"
+
+
+def _refused(path: Path, why: str) -> CheckpointError:
+    """The one-line error for a checkpoint that fails; `.why` keeps the phrase for newest_valid."""
+    e = CheckpointError(f"checkpoint {path} {why}; {_prev_hint(path)}")
+    e.why = why
+    return e
+
+
+def verify(path: str | os.PathLike) -> None:
+    """Check a checkpoint file against its checksum record; CheckpointError (one line) if it fails."""
+    path = Path(path)
+    why = _problem(path)
+    if why is not None:
+        raise _refused(path, why)
+
+
+def _prev_hint(path: Path) -> str:
+    prev = _previous_of(path)
+    return f"the previous checkpoint is {prev}" if prev else f"no earlier checkpoint in {path.parent}"
+
+
+def load_checked(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
+    """Load one checkpoint file, checksum first: the one way wm loads a checkpoint (resume, the
+    world stage's tokenizer, --eval-only, export).
+
+    The file must match its record (see the module docstring), then it is loaded with
+    ``torch.load(weights_only=True)``. A missing, unreadable, damaged or foreign file raises
+    CheckpointError: one line naming it and the previous checkpoint of its folder, if any."""
+    path = Path(path)
+    verify(path)
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except OSError as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {first_line(e)}") from e
-    except Exception as e:  # torch raises RuntimeError/UnpicklingError/EOFError/... for damage
+        raise _refused(path, f"cannot be read ({first_line(e)})") from e
+    except pickle.UnpicklingError as e:  # torch's own message would advise the unsafe way: not quoted
+        raise _refused(path, "holds Python objects other than tensors and plain data, so it is not a wm "
+                             "checkpoint (or it is damaged) and was not loaded") from e
+    except Exception as e:  # torch raises RuntimeError/EOFError/... for damage
         msg = first_line(e)
-        if "Weights only load failed" in str(e):
-            raise CheckpointError(f"checkpoint {path} holds objects that torch.load(weights_only=True) "
-                                  f"refuses ({msg}); {prev_hint()}") from e
-        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({msg}); {prev_hint()}") from e
+        if "weights_only" in msg or "Weights only" in msg:
+            msg = type(e).__name__
+        raise _refused(path, f"is truncated or corrupt ({msg})") from e
+
+
+load = load_checked  # the historical name: every load is a checked one
+
+
+def _committed(folder: Path) -> list[Path]:
+    """The step files that count, newest first: those with their .sha256 file (in a folder written
+    before .sha256 files existed, every step file)."""
+    files = list_checkpoints(folder)
+    legacy = not any(_sums_file(p).exists() for p in files)
+    return [p for p in reversed(files) if legacy or _sums_file(p).exists()]
+
+
+def newest_valid(folder: str | os.PathLike, map_location: Any = "cpu", say: Callable[[str], Any] = print,
+                 best: bool = False) -> tuple[Path, dict] | None:
+    """The newest checkpoint of `folder` that passes its checksum and loads: (path, state).
+
+    Tried in order: best.pt (only with best=True), the file the `latest` pointer names, then every
+    committed step file, newest first. Each one skipped is named through `say`, with the reason.
+    None when the folder holds no checkpoint at all; CheckpointError (one line) when it holds some
+    but none is valid: the run must stop, never restart from step 0 over them."""
+    folder = Path(folder)
+    cands: list[Path] = []
+    if best and (folder / BEST).is_file():
+        cands.append(folder / BEST)
+    ptr = _pointer_target(folder)
+    for p in ([ptr] if ptr is not None else []) + _committed(folder):
+        if p not in cands:
+            cands.append(p)
+    skipped = []
+    for p in cands:
+        try:
+            return p, load_checked(p, map_location)
+        except CheckpointError as e:
+            say(f"warning: skipped {p}: it {getattr(e, 'why', e)}")
+            skipped.append(p.name)
+    unfinished = [p.name for p in list_checkpoints(folder) if p not in cands]
+    if not skipped and not unfinished:
+        return None
+    raise CheckpointError(f"no valid checkpoint in {folder}: {', '.join(skipped + unfinished)} "
+                          f"{'is' if len(skipped + unfinished) == 1 else 'are'} damaged or unfinished; "
+                          "restore a copy of the folder, or start over with --fresh (the folder is "
+                          "moved aside, not deleted)")
 
 
 def resume_state(folder: str | os.PathLike, map_location: Any = "cpu") -> dict | None:
-    """The state of the newest complete checkpoint of `folder` (see latest_checkpoint), or None
-    when the folder holds none. A checkpoint that fails to load raises CheckpointError."""
-    p = latest_checkpoint(folder)
-    return None if p is None else load(p, map_location=map_location)
+    """The state of the newest valid checkpoint of `folder` (see newest_valid), or None when the
+    folder holds none. A folder holding only damaged checkpoints raises CheckpointError."""
+    found = newest_valid(folder, map_location, say=lambda m: warnings.warn(m, stacklevel=2))
+    return None if found is None else found[1]
 
 
 def clean_stale_temps(folder: str | os.PathLike) -> list[Path]:
@@ -420,6 +584,9 @@ class Checkpointer:
         except OSError as e:
             raise CheckpointError(f"cannot create checkpoint folder {self.folder}: {first_line(e)}") from e
         clean_stale_temps(self.folder)
+        for f in self.folder.glob("step_*.pt" + SUMS):  # left by a rotation killed half-way
+            if not f.with_name(f.name[: -len(SUMS)]).exists():
+                _unlink_quiet(f)
         self.best_value: float | None = None
         self.best_step: int | None = None
         b = _read_json(self.folder / BEST_JSON)
@@ -534,21 +701,29 @@ class Checkpointer:
         intact = (f"the previous checkpoint {prev.name} and the pointer are intact" if prev else
                   f"no earlier checkpoint in {self.folder}")
         try:
-            size, sha = _atomic_write(path, lambda f: torch.save(state, f))
+            size, sha = _atomic_write(path, lambda f: torch.save(state, f))  # 1
         except OSError as e:
             raise CheckpointError(f"cannot write checkpoint {path}: {first_line(e)}; nothing was "
                                   f"saved under that name, {intact}") from e
+        if self._better(value):  # 2, 3: before step N counts, so best is never behind it
+            try:
+                self._update_best(path, step, value, size, sha)
+            except CheckpointError:
+                _unlink_quiet(path)
+                raise
+        target = self.folder / POINTER
         try:
-            _write_json_atomic(self.folder / POINTER,
-                               {"file": name, "step": step, "size": size, "sha256": sha})
+            target = _sums_file(path)
+            _write_sums(path, sha)  # 4: step N counts from here
+            target = self.folder / POINTER
+            _write_json_atomic(target, {"file": name, "step": step, "size": size, "sha256": sha})  # 5
         except OSError as e:
             _unlink_quiet(path)  # a failed save leaves nothing under a checkpoint name
-            raise CheckpointError(f"cannot write checkpoint pointer {self.folder / POINTER}: "
+            _unlink_quiet(_sums_file(path))
+            raise CheckpointError(f"cannot write checkpoint record {target}: "
                                   f"{first_line(e)}; {name} was removed, {intact}") from e
         self.last_path = path
-        if self._better(value):
-            self._update_best(path, step, value, size, sha)
-        self._rotate(keep=path)
+        self._rotate(keep=path)  # 6
         self.last_write_s = time.perf_counter() - t0
 
     def _update_best(self, path: Path, step: int, value: float, size: int, sha: str) -> None:
@@ -570,20 +745,21 @@ class Checkpointer:
         except OSError as e:
             _unlink_quiet(tmp)
             held = f"step {self.best_step}" if self.best_step is not None else "the previous best"
-            raise CheckpointError(f"checkpoint {path.name} was saved, but {best} could not be "
-                                  f"updated: {first_line(e)}; it still holds {held}") from e
+            raise CheckpointError(f"cannot update {best} for {path.name}: {first_line(e)}; {path.name} "
+                                  f"was removed, {best} still holds {held}") from e
         self.best_value, self.best_step = value, step
 
     def _rotate(self, keep: Path) -> None:
         others = [p for p in self.list() if p.name != keep.name]
         doomed = others[: max(0, len(others) - (self.keep_last - 1))]
         for p in doomed:
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                warnings.warn(f"cannot delete old checkpoint {p}: {first_line(e)}", stacklevel=2)
+            for f in (p, _sums_file(p)):  # the file first: a lone .sha256 is harmless
+                try:
+                    os.unlink(f)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    warnings.warn(f"cannot delete old checkpoint {f}: {first_line(e)}", stacklevel=2)
         if doomed:
             try:
                 _fsync_dir(self.folder)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -242,6 +243,31 @@ class ResumableSampler(Sampler[int]):
         self.epoch, self.consumed = int(d["epoch"]), int(d["consumed"])
 
 
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """DataLoader `worker_init_fn`: workers ignore SIGTERM and SIGINT. Clusters (SLURM at preemption
+    or time limit, `timeout`, Ctrl-C in a terminal) signal the whole process group; a worker that
+    died of it would take the trainer down before it could save. The trainer alone decides: it
+    stops at the next step boundary, saves, and shuts its workers down itself (workers also exit
+    when the trainer is gone)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked by start_workers
+
+
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+def start_workers(loader: DataLoader):
+    """`iter(loader)` with SIGTERM/SIGINT blocked while the workers are forked: a signal that comes
+    before a new worker reaches `ignore_stop_signals` waits (and is then ignored there), and one
+    for the trainer is delivered as soon as the workers are started."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def make_loader(ds: Dataset, sampler, cfg: DataConfig, drop_last: bool = True,
                 batch_size: int = 0) -> DataLoader:
     """DataLoader over `ds` in `sampler`'s order. Workers open HDF5 files lazily (the shards
@@ -251,7 +277,7 @@ def make_loader(ds: Dataset, sampler, cfg: DataConfig, drop_last: bool = True,
     return DataLoader(
         ds, batch_size=batch_size or cfg.batch_size, sampler=sampler, num_workers=workers,
         pin_memory=cfg.pin_memory and torch.cuda.is_available(), drop_last=drop_last,
-        persistent_workers=cfg.persistent_workers and workers > 0,
+        persistent_workers=cfg.persistent_workers and workers > 0, worker_init_fn=ignore_stop_signals,
         prefetch_factor=cfg.prefetch_factor if workers > 0 else None)
 
 

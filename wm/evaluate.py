@@ -49,9 +49,9 @@ import torch
 import wm
 from wm import distributed as D
 from wm.atomic import write_bytes
-from wm.checkpoint import BEST, latest_checkpoint, load as load_ckpt, sha256_file
+from wm.checkpoint import load_checked as load_ckpt, newest_valid, sha256_file
 from wm.config import Config, DataConfig, to_dict
-from wm.data import OccWindows, check_against_config, resolve_root
+from wm.data import OccWindows, check_against_config, ignore_stop_signals, resolve_root, start_workers
 from wm.errors import DataError, WMError
 from wm.metrics import MODES, OCCWORLD_STEPS, ConfusionMatrix, copy_last
 from wm.tokenizer import Tokenizer
@@ -91,9 +91,9 @@ def eval_batches(ds, d: D.Dist, batch_size: int, num_workers: int = 0, pin_memor
     are all-reduced after, so every window is scored exactly once)."""
     idx = list(range(d.rank, len(ds), d.world_size))
     loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, sampler=idx,
-                                         num_workers=min(num_workers, 2),
+                                         num_workers=min(num_workers, 2), worker_init_fn=ignore_stop_signals,
                                          pin_memory=pin_memory and torch.cuda.is_available())
-    yield from loader
+    yield from start_workers(loader)
 
 
 def frames_config(data: DataConfig, use_mask: bool = False) -> DataConfig:
@@ -317,23 +317,24 @@ def format_table(rep: dict) -> str:
 # checkpoints
 
 
-def stage_checkpoint(run_dir: Path, stage: str) -> Path:
-    """A run's checkpoint of `stage`: best.pt, else the newest complete one."""
+def stage_checkpoint(run_dir: Path, stage: str, say=print) -> tuple[Path, dict]:
+    """A run's checkpoint of `stage` and its state, checksum-checked: best.pt, else (each one skipped
+    named through `say`) the newest valid one."""
     folder = run_dir / stage / "checkpoints"
-    best = folder / BEST
-    path = best if best.is_file() else latest_checkpoint(folder)
-    if path is None:
+    found = newest_valid(folder, say=say, best=True)  # CheckpointError (one line) if none is valid
+    if found is None:
         raise WMError(f"no {STAGE_WORDS[stage]} checkpoint in {folder}: train that stage first, point "
                       "--cfg / --set run.name=... at the run that has one, pass --ckpt, or choose --stage")
-    return path
+    return found
 
 
-def load_stage(path: Path, stage: Optional[str] = None, what: str = "--ckpt") -> dict:
-    """A wm training checkpoint, refused with one line when missing, damaged, not wm's, or of
-    another stage than `stage`."""
+def load_stage(path: Path, stage: Optional[str] = None, what: str = "--ckpt", st: Optional[dict] = None) -> dict:
+    """A wm training checkpoint (`st`: already loaded from `path`), refused with one line when
+    missing, damaged, not wm's, or of another stage than `stage`."""
     if not path.is_file():
         raise WMError(f"{what} {path} does not exist")
-    st = load_ckpt(path)  # CheckpointError (one line) for a truncated or corrupt file
+    if st is None:
+        st = load_ckpt(path)  # checksum first; CheckpointError (one line) for a damaged file
     got = st.get("stage") if isinstance(st, dict) else None
     if got not in STAGE_WORDS or "model" not in st or "config" not in st:
         raise WMError(f"{path} is not a wm training checkpoint (no stage, model and config in it)")
@@ -489,8 +490,8 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
             ["tokenizer", "world"] if args.stage == "all" else [args.stage])
         plan = []
         for s in stages:
-            p = stage_checkpoint(run_dir, s)
-            plan.append((s, p, load_stage(p, s, what="checkpoint")))
+            p, st = stage_checkpoint(run_dir, s, say)
+            plan.append((s, p, load_stage(p, s, what="checkpoint", st=st)))
     stages = [s for s, _, _ in plan]
     for s, p, st in plan:
         check_config(st, cfg, s, p)

@@ -40,11 +40,14 @@ import torch
 from torch import nn
 
 import wm
-from wm import distributed as D
-from wm.checkpoint import Checkpointer, load as load_ckpt, latest_checkpoint, rng_state, set_rng_state, sha256_file
+from wm import distributed as D, runlock
+from wm.checkpoint import (Checkpointer, CheckpointError, latest_checkpoint, load_checked, newest_valid, rng_state,
+                           set_rng_state, sha256_file, write_atomic)
 from wm.config import Config, StageConfig, from_dict, load as load_config, save as save_config, to_dict
-from wm.data import CodeWindows, OccWindows, ResumableSampler, check_against_config, make_loader, resolve_root
-from wm.errors import ConfigError, WMError
+from wm.data import (CodeWindows, OccWindows, ResumableSampler, check_against_config, ignore_stop_signals, make_loader,
+                     resolve_root, start_workers)
+from wm.atomic import write_bytes
+from wm.errors import ConfigError, WMError, first_line
 from wm.logs import Logger, eta
 from wm.evaluate import autocast, eval_batches, evaluate_run, forecast, frames_config, reconstruction
 from wm.tokenizer import Tokenizer, count_parameters
@@ -139,8 +142,10 @@ def to_device(batch: dict, device: torch.device) -> dict:
 class Run:
     """Everything both stages share: config, ranks, data root and fingerprint, folder, logger."""
 
-    def __init__(self, cfg: Config, d: D.Dist, fresh: bool = False, allow_new_data: bool = False):
+    def __init__(self, cfg: Config, d: D.Dist, fresh: bool = False, allow_new_data: bool = False,
+                 allow_changed: tuple[str, ...] = ()):
         self.cfg, self.d = cfg, d
+        self.locked = False
         self.dir = Path(cfg.run.out_dir) / cfg.run.name
         say = print if d.is_main else (lambda *a, **k: None)
         self.say = say
@@ -160,31 +165,69 @@ class Run:
         # the run folder: resume the same run, refuse a different one, start over only when asked
         meta = {"data_fingerprint": self.fingerprint, "data_root": str(self.root),
                 "wm_version": wm.__version__, "torch_version": torch.__version__,
-                "git_commit": git_commit(), "world_size": d.world_size}
+                "git_commit": git_commit(), "world_size": d.world_size,
+                "shards": {s["path"]: s["sha256"] for s in self.manifest.shards}}  # what it trained on
         self.resuming = False
+        error = None
         if d.is_main:
+            try:
+                self._open_folder(fresh, allow_new_data, allow_changed, meta)
+            except WMError as e:
+                error = e
+        failure = D.broadcast_object(None if error is None else str(error), d)  # every rank stops with it
+        if failure is not None:
+            raise error or WMError(failure)
+        self.resuming = D.broadcast_object(self.resuming, d)
+        D.barrier(d)
+        self.log = Logger(self.dir, enabled=d.is_main, tensorboard=cfg.train.tensorboard)
+
+    def _open_folder(self, fresh: bool, allow_new_data: bool, allow_changed: tuple[str, ...], meta: dict) -> None:
+        """Rank 0: take the folder's lock (before anything is written), then resume the same run,
+        refuse a different one, or move it aside (--fresh); write config.json."""
+        say = self.say
+        runlock.acquire(self.dir, say)
+        self.locked = True
+        try:
             prev = self.dir / "config.json"
+            history = []
             if prev.is_file() and fresh:
                 base = f"{self.dir.name}.{time.strftime('%Y%m%d-%H%M%S')}"
                 aside, n = self.dir.with_name(base), 1
                 while aside.exists():  # two --fresh in one second: never onto an older run
                     aside, n = self.dir.with_name(f"{base}-{n}"), n + 1
                 os.replace(self.dir, aside)
+                runlock.move_held(self.dir, aside)
+                self.locked = False
+                runlock.acquire(self.dir, say)  # the new folder's own lock, then the old one's goes
+                self.locked = True
+                runlock.release(aside)
                 say(f"--fresh: moved the previous run to {aside}")
             elif prev.is_file():
-                self._check_same_run(prev, allow_new_data)
+                history = self._check_same_run(prev, allow_new_data, allow_changed)
                 self.resuming = True
+            elif allow_changed:
+                raise WMError(f"--allow-changed resumes a run, but {self.dir} holds none yet; leave it out")
+            if history:
+                meta["history"] = history
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
-                save_config(cfg, self.dir / "config.json", meta)
+                save_config(self.cfg, self.dir / "config.json", meta)
             except OSError as e:
                 raise WMError(f"cannot write the run folder {self.dir} ({e}); set run.out_dir to a "
                               "writable folder") from None
-        self.resuming = D.broadcast_object(self.resuming, d)
-        D.barrier(d)
-        self.log = Logger(self.dir, enabled=d.is_main, tensorboard=cfg.train.tensorboard)
+        except BaseException:
+            self.close()
+            raise
 
-    def _check_same_run(self, prev: Path, allow_new_data: bool) -> None:
+    def close(self) -> None:
+        """Give the run folder's lock back (rank 0)."""
+        if self.locked:
+            runlock.release(self.dir)
+            self.locked = False
+
+    def _check_same_run(self, prev: Path, allow_new_data: bool, allow_changed: tuple[str, ...] = ()) -> list:
+        """Refuse a run folder that holds another run; returns the config history to write (the
+        earlier entries, plus this resume's --allow-changed changes)."""
         try:
             old = json.loads(prev.read_text())
         except (OSError, json.JSONDecodeError) as e:
@@ -203,17 +246,54 @@ class Run:
         # a stage that has not saved anything yet may still be configured freely
         free = {sec for stage, secs in STAGE_SECTIONS.items()
                 if not latest_checkpoint(self.dir / stage / "checkpoints") for sec in secs}
-        diffs = [f"{sec}.{k}: {a[sec][k]!r} -> {b[sec][k]!r}" for sec in a if sec not in free for k in a[sec]
-                 if a[sec][k] != b[sec][k] and k not in RESUME_MAY_CHANGE.get(sec, ())]
-        if diffs:
+        changed = {f"{sec}.{k}": [a[sec][k], b[sec][k]] for sec in a if sec not in free for k in a[sec]
+                   if a[sec][k] != b[sec][k] and k not in RESUME_MAY_CHANGE.get(sec, ())}
+        history = list(meta.get("history") or [])
+        for key in allow_changed:
+            sec, _, k = key.partition(".")
+            if sec not in a or k not in a[sec]:
+                raise ConfigError(key, "unknown key given to --allow-changed")
+            if not (sec.endswith("_stage") and k in SAFE_TO_CHANGE):
+                raise WMError(f"--allow-changed {key}: {key} changes the data or the model, so a run cannot "
+                              f"resume with it changed (keys that may change: <stage>_stage."
+                              f"{{{','.join(SAFE_TO_CHANGE)}}}); use --fresh or another run.name")
+        refused = [k for k in changed if k not in allow_changed]
+        if refused:
+            diffs = [f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in refused]
+            safe = [k for k in refused if k.partition(".")[0].endswith("_stage") and k.partition(".")[2] in SAFE_TO_CHANGE]
+            hint = (f"; to resume with it, pass --allow-changed {','.join(safe)}" if len(safe) == len(refused)
+                    else "")
             raise WMError(f"{self.dir} holds a run with another config ({'; '.join(diffs[:3])}"
-                          f"{'...' if len(diffs) > 3 else ''}); use --fresh to start over or another run.name")
+                          f"{'...' if len(diffs) > 3 else ''}){hint}; use --fresh to start over or another run.name")
+        if changed:
+            steps = {}
+            for stage in STAGE_SECTIONS:
+                d = _read_json_quiet(self.dir / stage / "checkpoints" / "latest")
+                if d and isinstance(d.get("step"), int):
+                    steps[stage] = d["step"]
+            history.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step": steps, "changed": changed})
+            self.say("resuming with changed hyperparameters (recorded in config.json's meta.history): " +
+                     ", ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in changed.items()))
+        return history
 
     def stage_dir(self, stage: str) -> Path:
         return self.dir / stage
 
 
 STAGE_SECTIONS = {"tokenizer": ("tokenizer", "tokenizer_stage"), "world": ("world", "world_stage")}
+
+# keys of a <stage>_stage section that `--allow-changed` may change on resume: optimisation only,
+# never the data, the model's shape, the batch (the sampler's position) or the seed
+SAFE_TO_CHANGE = ("lr", "min_lr", "clip", "warmup_steps", "weight_decay", "betas", "epochs", "max_steps",
+                  "eval_every", "early_stop")
+
+
+def _read_json_quiet(path: Path) -> Optional[dict]:
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
 
 # keys a resumed run may change without being another run (they do not change what is computed)
 RESUME_MAY_CHANGE = {
@@ -276,9 +356,8 @@ class WorldStage:
     def __init__(self, run: Run, device: torch.device, dtype):
         cfg = run.cfg
         self.run, self.cfg, self.scfg = run, cfg, cfg.world_stage
-        tok_ckpt = tokenizer_checkpoint(run)
+        tok_ckpt, st = tokenizer_checkpoint(run)
         self.tok_path, self.tok_sha = tok_ckpt, sha256_file(tok_ckpt)
-        st = load_ckpt(tok_ckpt)
         self.tokenizer = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
         self.tokenizer.load_state_dict(st["model"])
         self.tokenizer.eval().requires_grad_(False).to(device)
@@ -330,15 +409,15 @@ class WorldStage:
         return out, pics
 
 
-def tokenizer_checkpoint(run: Run) -> Path:
-    """The tokenizer the world stage builds on: its stage's best checkpoint, else its newest."""
+def tokenizer_checkpoint(run: Run) -> tuple[Path, dict]:
+    """The tokenizer the world stage builds on, checksum-checked, and its state: its stage's best
+    checkpoint, else (named) its newest valid one."""
     folder = run.stage_dir("tokenizer") / "checkpoints"
-    best = folder / "best.pt"
-    path = best if best.is_file() else latest_checkpoint(folder)
-    if path is None:
+    found = newest_valid(folder, say=run.say, best=True)
+    if found is None:
         raise WMError(f"the world stage needs a trained tokenizer but {folder} holds no checkpoint; "
                       "run the tokenizer stage first (train.stages)")
-    return path
+    return found
 
 
 @torch.no_grad()
@@ -351,20 +430,19 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
                                      "split": cfg.data.train_split}, sort_keys=True).encode()).hexdigest()[:16]
     folder = run.dir / "token_cache" / key
     path = folder / "codes.npy"
-    if d.is_main and not path.is_file():  # the run folder is shared by all ranks
+    if d.is_main and not _token_cache_ok(folder, tok_sha, run.fingerprint):  # the run folder is shared by all ranks
         frames = OccWindows(run.root, cfg.data.train_split, frames_config(cfg.data))
         h, w = tok.token_shape
         for stale in folder.parent.glob(".*.tmp-*") if folder.parent.is_dir() else []:
-            shutil.rmtree(stale, ignore_errors=True)  # left by a killed build
-        tmp = folder.with_name(f".{key}.tmp-{os.getpid()}")
-        tmp.mkdir(parents=True)
-        out = np.lib.format.open_memmap(tmp / "codes.npy", mode="w+", dtype=np.int16,
-                                        shape=(frames.num_frames, h, w))
+            shutil.rmtree(stale, ignore_errors=True)  # left by a killed build of an older wm
+        # codes are gathered in memory (int16 50x50 per frame: 140 MB for nuScenes' 28k train frames),
+        # then written like a checkpoint: no memory map that a full disk would turn into SIGBUS
+        out = np.empty((frames.num_frames, h, w), dtype=np.int16)
         # frames in shard order: the OccWindows index of single frames is exactly frame_base order
         loader = torch.utils.data.DataLoader(frames, batch_size=max(8, cfg.data.batch_size), shuffle=False,
-                                             num_workers=cfg.data.num_workers)
+                                             num_workers=cfg.data.num_workers, worker_init_fn=ignore_stop_signals)
         t0, done = time.time(), 0
-        for batch in loader:
+        for batch in start_workers(loader):
             occ = batch["occ"].to(device)[:, 0]
             with autocast(device, dtype):
                 codes = tok.encode(occ)
@@ -377,16 +455,39 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
                       f"({done / max(1e-9, time.time() - t0):.0f} frames/s)", end="" if tty else "\n", flush=True)
         if d.is_main and sys.stdout.isatty():
             print()
-        out.flush()
-        del out
-        (tmp / "meta.json").write_text(json.dumps({"tokenizer_sha256": tok_sha, "data_fingerprint": run.fingerprint,
-                                                   "split": cfg.data.train_split, "frames": frames.num_frames}))
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
+        write_token_cache(folder, out, {"tokenizer_sha256": tok_sha, "data_fingerprint": run.fingerprint,
+                                        "split": cfg.data.train_split, "frames": frames.num_frames})
         run.say(f"token cache written: {path}")
     D.barrier(d)
     return path
+
+
+def write_token_cache(folder: Path, codes: np.ndarray, meta: dict) -> None:
+    """codes.npy, then meta.json with its sha256 (the cache counts only once meta.json is there),
+    each through the checkpoints' atomic write: a failure (a full disk) is one line and leaves no
+    partial cache."""
+    try:
+        if (folder / "meta.json").exists():
+            (folder / "meta.json").unlink()  # a cache being replaced stops counting first
+        folder.mkdir(parents=True, exist_ok=True)
+        size, sha = write_atomic(folder / "codes.npy", lambda f: np.lib.format.write_array(f, codes))
+        data = json.dumps(dict(meta, codes_bytes=size, codes_sha256=sha), indent=1).encode()
+        write_atomic(folder / "meta.json", lambda f: f.write(data))
+    except OSError as e:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise WMError(f"cannot write the token cache {folder}: {e.strerror or first_line(e)}; nothing was kept "
+                      f"(the tokenizer checkpoints are intact): free space under {folder.parent} and rerun") from None
+
+
+def _token_cache_ok(folder: Path, tok_sha: str, fingerprint: str) -> bool:
+    """A complete cache of this tokenizer and data whose codes match their recorded sha256."""
+    m = _read_json_quiet(folder / "meta.json")
+    if not m or m.get("tokenizer_sha256") != tok_sha or m.get("data_fingerprint") != fingerprint:
+        return False
+    try:
+        return sha256_file(folder / "codes.npy") == m.get("codes_sha256")
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,7 +508,7 @@ class BatchStream:
         # must not shift the training RNG stream, or a resumed run (one more iterator, made at a
         # point the uninterrupted run made none) would diverge from an uninterrupted one
         with torch.random.fork_rng(devices=[]):
-            return iter(self.loader)
+            return start_workers(self.loader)
 
     def __call__(self) -> dict:
         while True:
@@ -538,9 +639,12 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
     sdir = run.stage_dir(stage.name)
     done_file = sdir / "done.json"
     if done_file.is_file():
-        res = json.loads(done_file.read_text())
-        run.say(f"{stage.name} stage already finished at step {res['step']}; using it")
-        return res.get("metrics", {})
+        res = _read_json_quiet(done_file)
+        if res is not None and isinstance(res.get("step"), int):
+            run.say(f"{stage.name} stage already finished at step {res['step']}; using it")
+            return res.get("metrics", {})
+        # written atomically by this version: damage came from elsewhere (or an older wm)
+        run.say(f"note: {done_file} is damaged; checking the stage again from its checkpoints")
 
     parts = stage_parts(stage, cfg, d, device, dtype)
     model, batch, opt, scaler, sampler, loader = (parts.model, parts.batch, parts.opt, parts.scaler,
@@ -552,9 +656,18 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
 
     # resume: every rank loads the same file (the run folder is on a shared filesystem)
     step, best, stale, last_val = 0, None, 0, {}
-    path = D.broadcast_object(str(ckpt.latest()) if ckpt and ckpt.latest() else None, d)
+    # rank 0 picks the newest valid checkpoint (naming any it skips); none valid stops every rank
+    found, failure = None, None
+    if ckpt:
+        try:
+            found = newest_valid(ckpt.folder, say=run.say)
+        except CheckpointError as e:
+            failure = str(e)
+    path, failure = D.broadcast_object((str(found[0]) if found else None, failure), d)
+    if failure:
+        raise CheckpointError(failure)
     if path:
-        st = load_ckpt(path)
+        st = found[1] if found else load_checked(path)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])
         scaler.load_state_dict(st["scaler"])
@@ -686,8 +799,8 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
     if stop_reason and stop_reason.startswith("preempted"):
         run.say(f"{stage.name}: {stop_reason}; saved step {step}. Run the same command to resume.")
         raise Preempted()
-    if d.is_main:
-        (sdir / "done.json").write_text(json.dumps({"step": step, "metrics": last_val,
+    if d.is_main:  # after ckpt.close(): a finished stage is marked only once its last save is on disk
+        write_bytes(sdir / "done.json", json.dumps({"step": step, "metrics": last_val,
                                                     "reason": stop_reason or "finished"}, indent=1))
     D.barrier(d)
     if stop_reason:
@@ -728,6 +841,9 @@ def parse_args(argv=None):
     ap.add_argument("--fresh", action="store_true", help="start over: move the existing run folder aside")
     ap.add_argument("--allow-new-data", action="store_true",
                     help="resume even though the data set's fingerprint changed")
+    ap.add_argument("--allow-changed", default="", metavar="KEY,...",
+                    help="resume with these optimisation keys changed, e.g. tokenizer_stage.lr,tokenizer_stage.clip "
+                         "(recorded in config.json's meta.history; data and model keys stay refused)")
     ev = ap.add_argument_group("evaluation (--eval-only: OccWorld's protocol, see wm/evaluate.py)")
     ev.add_argument("--eval-only", action="store_true",
                     help="train nothing: evaluate the run's best (else newest) checkpoints, print a table, write JSON")
@@ -800,7 +916,7 @@ def main(argv=None) -> int:
     if not args.eval_only:  # evaluation keeps the default Ctrl-C: nothing to save
         install_signal_handlers()
     d = D.init(cfg.train.device, cfg.train.timeout_s)
-    broken = False
+    broken, run = False, None
     try:
         device = d.device
         dtype = amp_dtype(cfg, device)
@@ -812,7 +928,8 @@ def main(argv=None) -> int:
         if args.eval_only:
 
             return evaluate_run(cfg, d, device, dtype, args)
-        run = Run(cfg, d, fresh=args.fresh, allow_new_data=args.allow_new_data)
+        run = Run(cfg, d, fresh=args.fresh, allow_new_data=args.allow_new_data,
+                  allow_changed=tuple(k.strip() for k in args.allow_changed.split(",") if k.strip()))
         if run.resuming:
             run.say(f"resuming run {run.dir}")
         t0 = time.time()
@@ -841,8 +958,10 @@ def main(argv=None) -> int:
             print(f"\nrun {run.dir} finished in {minutes:.1f} min\n{table}")
             summary = make_summary(cfg, results)
             summary["minutes"] = round(minutes, 2)
-            (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            write_bytes(run.dir / "summary.json", json.dumps(summary, indent=1))
         return 0
     finally:
+        if run is not None:
+            run.close()  # the lock goes last: nothing of this run is written after it
         if not broken:
             D.close(d)
