@@ -42,9 +42,9 @@ from torch import nn
 import wm
 from wm import distributed as D
 from wm.checkpoint import Checkpointer, load as load_ckpt, latest_checkpoint, rng_state, set_rng_state, sha256_file
-from wm.config import Config, StageConfig, from_dict, load as load_config, save as save_config, to_dict
+from wm.config import Config, DataConfig, StageConfig, from_dict, load as load_config, save as save_config, to_dict
 from wm.data import CodeWindows, OccWindows, ResumableSampler, check_against_config, make_loader, resolve_root
-from wm.errors import ConfigError, WMError
+from wm.errors import ConfigError, DataError, WMError
 from wm.logs import Logger, eta
 from wm.evaluate import autocast, eval_batches, evaluate_run, forecast, frames_config, reconstruction
 from wm.tokenizer import Tokenizer, count_parameters
@@ -225,6 +225,66 @@ RESUME_MAY_CHANGE = {
 
 
 # ---------------------------------------------------------------------------------------------
+# what the stages train on, checked for all of them before the first one starts
+
+
+def stage_data(cfg: Config, name: str) -> DataConfig:
+    """The windows a stage trains and validates on: single frames for the tokenizer, data.past +
+    data.future frames every data.stride-th for the world model; with the mask where data.use_mask."""
+    return frames_config(cfg.data, use_mask=cfg.data.use_mask) if name == "tokenizer" else cfg.data
+
+
+def batches_per_rank(name: str, samples: int, world_size: int, batch: int, grad_accum: int) -> int:
+    """Full batches of `batch` each rank draws from `samples` training samples per epoch; fewer
+    than one optimizer step's worth is refused."""
+    n = samples // world_size // batch
+    if n < grad_accum:
+        raise WMError(f"{name} stage: {samples} training samples give {n} batches of {batch} per rank, "
+                      f"fewer than grad_accum={grad_accum}; use a smaller {name}_stage.batch_size or more data")
+    return n
+
+
+def val_metrics(name: str, future: int) -> list[str]:
+    """The validation metrics a stage reports (TokenizerStage.evaluate, WorldStage.evaluate)."""
+    if name == "tokenizer":
+        return ["val/iou", "val/miou", "val/code_usage", "val/perplexity"]
+    return ["val/iou", "val/miou", "val/copy_last_iou", "val/copy_last_miou"] + [
+        f"val/{pre}{m}_t{t + 1}" for pre in ("", "copy_last_") for m in ("iou", "miou") for t in range(future)]
+
+
+def check_stages(run: Run) -> None:
+    """Every check that can fail a stage, for each stage still to run, before the first step of the
+    first one (a world stage that cannot start must not wait for hours of tokenizer training): both
+    splits present with windows at the stage's settings (window length at data.stride), the batch
+    against the training windows, the best_metric. Window indexes come from scene offsets alone,
+    so this reads no frames. Also says whether training uses the visibility mask."""
+    cfg, d = run.cfg, run.d
+    for name in cfg.train.stages:
+        if (run.stage_dir(name) / "done.json").is_file():
+            continue
+        s = getattr(cfg, f"{name}_stage")
+        data = stage_data(cfg, name)
+        try:
+            samples = len(OccWindows(run.root, cfg.data.train_split, data))
+            OccWindows(run.root, cfg.data.val_split, data)
+        except DataError as e:
+            raise DataError(f"{name} stage: {e}") from None
+        batches_per_rank(name, samples, d.world_size, s.batch_size or cfg.data.batch_size, s.grad_accum)
+        metrics = val_metrics(name, cfg.data.future)
+        if s.best_metric not in metrics:
+            raise ConfigError(f"{name}_stage.best_metric", f"{s.best_metric!r} is not a validation metric of "
+                              f"the {name} stage; choose one of {', '.join(metrics)}")
+    if cfg.data.use_mask:
+        bits = f"mask bits {cfg.data.mask_bits}" if cfg.data.mask_bits else "any nonzero mask value"
+        run.say(f"masks: training and validation use only visible voxels (data.use_mask, {bits}): masked "
+                "cross-entropy and Lovasz in the tokenizer stage, masked cross-entropy over token cells "
+                "that see a visible voxel in the world stage")
+    elif run.manifest.info.has_mask:
+        run.say("masks: the data set has visibility masks; training uses every voxel (OccWorld's protocol). "
+                "data.use_mask=true trains and validates on visible voxels only")
+
+
+# ---------------------------------------------------------------------------------------------
 # stages: what differs between the tokenizer and the world model
 
 
@@ -234,7 +294,7 @@ class TokenizerStage:
     def __init__(self, run: Run):
         cfg = run.cfg
         self.run, self.cfg, self.scfg = run, cfg, cfg.tokenizer_stage
-        fc = frames_config(cfg.data)
+        fc = stage_data(cfg, self.name)
         self.train_ds = OccWindows(run.root, cfg.data.train_split, fc)
         self.val_ds = OccWindows(run.root, cfg.data.val_split,
                                  dataclasses.replace(fc, max_windows=cfg.data.max_windows))
@@ -242,7 +302,8 @@ class TokenizerStage:
         self.model = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
 
     def loss(self, model: nn.Module, batch: dict) -> dict:
-        return model(batch["occ"][:, 0])
+        # the mask is in the batch only with data.use_mask (stage_data)
+        return model(batch["occ"][:, 0], mask=batch["mask"][:, 0] if "mask" in batch else None)
 
     def samples(self, batch: dict) -> int:
         return batch["occ"].shape[0]
@@ -286,7 +347,7 @@ class WorldStage:
         self.windows = OccWindows(run.root, cfg.data.train_split, cfg.data)
         self.val_ds = OccWindows(run.root, cfg.data.val_split, cfg.data)
         codes = build_token_cache(run, self.tokenizer, self.tok_sha, device, dtype)
-        self.train_ds = CodeWindows(self.windows, codes)
+        self.train_ds = CodeWindows(self.windows, codes, codes.with_name(CELL_MASK) if cfg.data.use_mask else None)
         torch.manual_seed(cfg.run.seed)  # here: whether the cache was built must not change them
         self.model = WorldModel(cfg.world, cfg.tokenizer.codebook_size)
         if cfg.world.widths[0] == cfg.tokenizer.code_dim:  # OccWorld feeds the codebook vectors
@@ -296,7 +357,8 @@ class WorldStage:
         # forward through the wrapper (DDP hooks it), the loss terms on the plain module
         codes, motion = batch["codes"].long(), batch["motion"]
         out = model(codes[:, :-1], motion[:, :-1])
-        res = unwrap(model).loss(out, codes[:, 1:], motion[:, 1:])
+        mask = batch["mask"][:, 1:] if "mask" in batch else None  # token cells, with data.use_mask
+        res = unwrap(model).loss(out, codes[:, 1:], motion[:, 1:], mask=mask)
         res["copy_last_acc"] = (codes[:, 1:] == codes[:, :-1]).float().mean()
         return res
 
@@ -341,18 +403,26 @@ def tokenizer_checkpoint(run: Run) -> Path:
     return path
 
 
+CELL_MASK = "cell_mask.npy"
+
+
 @torch.no_grad()
 def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> Path:
     """Encode every training frame once into <run>/token_cache/<key>/codes.npy (int16), keyed by
     the tokenizer checkpoint and the data fingerprint: a cache that does not match is rebuilt,
-    never silently used. Rank 0 builds; the others wait at the barrier."""
+    never silently used. With data.use_mask also cell_mask.npy (uint8, Tokenizer.token_mask of
+    each frame's mask; the mask bits are part of the key). Rank 0 builds; the others wait at the
+    barrier."""
     cfg, d = run.cfg, run.d
-    key = hashlib.sha256(json.dumps({"tokenizer": tok_sha, "data": run.fingerprint,
-                                     "split": cfg.data.train_split}, sort_keys=True).encode()).hexdigest()[:16]
+    use_mask = cfg.data.use_mask
+    keyed = {"tokenizer": tok_sha, "data": run.fingerprint, "split": cfg.data.train_split}
+    if use_mask:  # only then: the caches of runs without masks keep their keys
+        keyed["mask_bits"] = cfg.data.mask_bits
+    key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
     folder = run.dir / "token_cache" / key
     path = folder / "codes.npy"
     if d.is_main and not path.is_file():  # the run folder is shared by all ranks
-        frames = OccWindows(run.root, cfg.data.train_split, frames_config(cfg.data))
+        frames = OccWindows(run.root, cfg.data.train_split, frames_config(cfg.data, use_mask=use_mask))
         h, w = tok.token_shape
         for stale in folder.parent.glob(".*.tmp-*") if folder.parent.is_dir() else []:
             shutil.rmtree(stale, ignore_errors=True)  # left by a killed build
@@ -360,6 +430,8 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
         tmp.mkdir(parents=True)
         out = np.lib.format.open_memmap(tmp / "codes.npy", mode="w+", dtype=np.int16,
                                         shape=(frames.num_frames, h, w))
+        cells = np.lib.format.open_memmap(tmp / CELL_MASK, mode="w+", dtype=np.uint8,
+                                          shape=(frames.num_frames, h, w)) if use_mask else None
         # frames in shard order: the OccWindows index of single frames is exactly frame_base order
         loader = torch.utils.data.DataLoader(frames, batch_size=max(8, cfg.data.batch_size), shuffle=False,
                                              num_workers=cfg.data.num_workers)
@@ -369,6 +441,8 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
             with autocast(device, dtype):
                 codes = tok.encode(occ)
             out[done:done + len(occ)] = codes.to(torch.int16).cpu().numpy()
+            if cells is not None:
+                cells[done:done + len(occ)] = tok.token_mask(batch["mask"][:, 0]).numpy()
             done += len(occ)
             tty = sys.stdout.isatty()  # a log file gets a line per 10 %, not a line per batch
             if d.is_main and (tty or done == frames.num_frames or
@@ -379,6 +453,9 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
             print()
         out.flush()
         del out
+        if cells is not None:
+            cells.flush()
+            del cells
         (tmp / "meta.json").write_text(json.dumps({"tokenizer_sha256": tok_sha, "data_fingerprint": run.fingerprint,
                                                    "split": cfg.data.train_split, "frames": frames.num_frames}))
         if folder.exists():
@@ -522,11 +599,7 @@ def stage_parts(stage, cfg: Config, d: D.Dist, device: torch.device, dtype) -> S
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     sampler = ResumableSampler(len(stage.train_ds), d.world_size, d.rank, seed=cfg.run.seed, drop_last=True)
     loader = make_loader(stage.train_ds, sampler, cfg.data, drop_last=True, batch_size=batch)
-    per_rank_batches = len(stage.train_ds) // d.world_size // batch
-    if per_rank_batches < s.grad_accum:
-        raise WMError(f"{stage.name} stage: {len(stage.train_ds)} training samples give {per_rank_batches} "
-                      f"batches of {batch} per rank, fewer than grad_accum={s.grad_accum}; use a smaller "
-                      f"{stage.name}_stage.batch_size or more data")
+    per_rank_batches = batches_per_rank(stage.name, len(stage.train_ds), d.world_size, batch, s.grad_accum)
     steps_per_epoch = per_rank_batches // s.grad_accum
     return StageParts(model, batch, opt, scaler, sampler, loader, steps_per_epoch,
                       s.max_steps or s.epochs * steps_per_epoch)
@@ -815,6 +888,7 @@ def main(argv=None) -> int:
         run = Run(cfg, d, fresh=args.fresh, allow_new_data=args.allow_new_data)
         if run.resuming:
             run.say(f"resuming run {run.dir}")
+        check_stages(run)
         t0 = time.time()
         results = {}
         try:
