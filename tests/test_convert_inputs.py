@@ -79,6 +79,25 @@ def test_label_file_that_is_not_an_npz_is_one_line_and_skippable(tmp_path, case)
     np.testing.assert_array_equal(got["scene-0004"]["occ"], truth["scene-0004"]["sem"])
 
 
+def _npz_named_npy(path: Path) -> None:
+    with open(path, "wb") as f:  # np.savez would add .npz to a name
+        np.savez(f, semantics=np.zeros((6, 4, 3), np.uint8))
+
+
+@pytest.mark.parametrize("frame, breaker, words", [
+    ("drive_b/000001.npy", html_named_npz, "not a NumPy .npy file"),
+    ("drive_b/000001.npy", _npz_named_npy, "an .npz archive"),
+    ("drive_a/000000.npy", html_named_npz, "not a NumPy .npy file"),  # the frame the grid is read from
+])
+def test_own_recordings_frame_that_is_not_what_its_name_says_is_one_line(tmp_path, frame, breaker, words):
+    rec = tmp_path / "rec"
+    make_frames(rec)
+    breaker(rec / frame)
+    line = one_error_line(cli("convert_frames.py", "--root", rec, "--out", tmp_path / "out", "--classes",
+                              "a,b,c,d,free", "--free", "free", "--val-fraction", "0", "--workers", "1"))
+    assert str(rec / frame) in line and words in line and "pickle" not in line, line
+
+
 # ---------------------------------------------------------------------------------------------
 # item 4: --skip-bad when every scene (or every scene of a split) is bad
 
