@@ -160,20 +160,21 @@ class CodeWindows(Dataset):
                             f"{codes.shape}; delete it to rebuild")
         self._codes = self._mask = None  # workers map them themselves
 
+    @staticmethod
+    def _map(path: Path) -> np.ndarray:
+        try:
+            return np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise DataError(f"token cache {path} cannot be read ({e}); delete it to rebuild") from None
+
     def _open(self) -> np.ndarray:
         if self._codes is None:
-            try:
-                self._codes = np.load(self.path, mmap_mode="r")
-            except (OSError, ValueError) as e:
-                raise DataError(f"token cache {self.path} cannot be read ({e}); delete it to rebuild") from None
+            self._codes = self._map(self.path)
         return self._codes
 
     def _open_mask(self) -> np.ndarray:
         if self._mask is None:
-            try:
-                self._mask = np.load(self.mask_path, mmap_mode="r")
-            except (OSError, ValueError) as e:
-                raise DataError(f"token cache {self.mask_path} cannot be read ({e}); delete it to rebuild") from None
+            self._mask = self._map(self.mask_path)
         return self._mask
 
     def __len__(self) -> int:
