@@ -4,7 +4,6 @@ a masked-out voxel's label has no effect on the loss or its gradient. Without it
 OccWorld's protocol) every voxel counts, exactly as before."""
 
 import json
-import signal
 
 import pytest
 import torch
