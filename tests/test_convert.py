@@ -68,6 +68,7 @@ def make_occ3d(root: Path, scenes, grid=G, seed=0, end="EOF", shuffle=True) -> d
         cam = rng.integers(0, 2, (n, *grid)).astype(np.uint8)
         lid = rng.integers(0, 2, (n, *grid)).astype(np.uint8)
         axes = rng.normal(size=(n, 3)) * [0.05, 0.05, 1.0]  # mostly yaw, a little pitch/roll
+        axes[:, 2] = np.copysign(np.maximum(np.abs(axes[:, 2]), 0.5), axes[:, 2])  # upright: tilt < 25 deg
         angles = rng.uniform(-np.pi, np.pi, n)
         trans = rng.uniform(-500, 1500, (n, 3))
         pose = np.zeros((n, 4, 4))

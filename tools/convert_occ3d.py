@@ -7,8 +7,11 @@
 --root is the folder as unpacked: annotations.json plus gts/<scene_name>/<sample_token>/labels.npz
 (arrays semantics (200,200,16) uint8, 18 classes, free = 17; mask_lidar; mask_camera). Scenes go to
 the train/val split that annotations.json gives (train_split / val_split), frames
-in time order, ego poses as 4x4 ego->global (from the quaternion w,x,y,z + translation), timestamps
-in microseconds.
+in time order, ego poses as 4x4 ego->global (from the quaternion w,x,y,z + translation; --quat-order
+xyzw for files that write x,y,z,w: a warning says when most poses would tip the vehicle over),
+timestamps in microseconds. An absolute gt_path that is not on this machine is looked for at
+ROOT/gts/<scene>/<token>/labels.npz. A labels.npz whose semantics are not uint8 (OpenOcc: int32,
+free = 16) is refused; a data set whose most common class is not free gets a warning.
 
 Masks (the shard's one uint8 `mask` field holds bit flags): bit 0 (1) = mask_camera, bit 1 (2) =
 mask_lidar. --mask both (default) keeps both bits; --mask camera keeps only mask_camera (then
@@ -28,8 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wm.convert import (MASK_BITS, MASK_MODES, OCC3D_GRID, add_writer_args, convert_and_report, occ3d_info,  # noqa: E402
-                        occ3d_scenes)
+from wm.convert import (MASK_BITS, MASK_MODES, OCC3D_GRID, QUAT_ORDERS, add_writer_args, convert_and_report,  # noqa: E402
+                        occ3d_info, occ3d_scenes, quat_order_warning)
 from wm.errors import run_cli  # noqa: E402
 
 
@@ -43,23 +46,30 @@ def main(argv=None) -> int:
     ap.add_argument("--grid", type=int, nargs=3, default=list(OCC3D_GRID), metavar=("X", "Y", "Z"),
                     help="expected grid of every labels.npz (default: Occ3D's 200 200 16)")
     ap.add_argument("--max-scenes", type=int, default=0, help="convert only the first N scenes of each split")
+    ap.add_argument("--quat-order", choices=list(QUAT_ORDERS), default="wxyz",
+                    help="order of the ego_pose rotation quaternions in annotations.json (default: nuScenes' "
+                         "w,x,y,z; a warning says when the poses look like the other order)")
     add_writer_args(ap)
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    order, specs, bad = occ3d_scenes(a.root, a.annotations, a.mask, a.max_scenes)
+    order, specs, bad = occ3d_scenes(a.root, a.annotations, a.mask, a.max_scenes, a.quat_order)
+    ann = Path(a.annotations or Path(a.root) / "annotations.json")
     info = occ3d_info(a.grid, a.mask)
     bits = {b: MASK_BITS[b] for b in MASK_MODES[a.mask]}
     options = {"source": str(Path(a.annotations or Path(a.root) / "annotations.json").resolve()),
                "format": a.format, "compression": a.compression if a.format == "hdf5" else "none",
                "scenes_per_shard": a.scenes_per_shard, "grid": list(info.grid), "mask": a.mask,
                "max_scenes": a.max_scenes}
+    if a.quat_order != "wxyz":  # recorded only when given, so earlier conversions still resume
+        options["quat_order"] = a.quat_order
     record = {"tool": "convert_occ3d", "options": options, "mask_bits": bits,
               "mask_convention": "uint8 bit flags: bit 0 (1) = Occ3D mask_camera, bit 1 (2) = mask_lidar"}
     return convert_and_report(
         a, info, order, specs, bad, record, bits, t0,
         f"{a.root}: {sum(len(v) for v in order.values())} scenes "
         f"({', '.join(f'{k} {len(v)}' for k, v in order.items())}), "
-        f"{sum(len(s.files) for s in specs.values())} frames listed; masks: {a.mask}")
+        f"{sum(len(s.files) for s in specs.values())} frames listed; masks: {a.mask}",
+        [w for w in [quat_order_warning(specs.values(), ann, a.quat_order)] if w])
 
 
 if __name__ == "__main__":

@@ -96,7 +96,12 @@ def main(argv=None) -> int:
         cfg = DataConfig(root=str(m.root), grid=info.grid, num_classes=info.num_classes,
                          free_class=info.free_class, past=a.past, future=a.future, stride=a.stride,
                          train_split=a.split)
-        ds = OccWindows(m.root, a.split, cfg)
+        for k in ("past", "stride"):
+            if getattr(a, k) < 1:
+                raise DataError(f"--{k} {getattr(a, k)} must be >= 1")
+        if a.future < 0:
+            raise DataError(f"--future {a.future} must be >= 0")
+        ds = OccWindows(m.root, a.split, cfg, keys={k: f"--{k} {{}}" for k in ("past", "future", "stride")})
         if not 0 <= a.window < len(ds):
             raise DataError(f"--window {a.window}: split {a.split!r} has {len(ds)} windows")
         occ = ds[a.window]["occ"].numpy()

@@ -41,6 +41,7 @@ import shutil
 import sys
 import time
 import zipfile
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,23 +164,72 @@ def _reading(path: Path, where: str, kind: str):
         raise
     except FileNotFoundError:
         raise DataError(f"{path}: {where}: the file is missing") from None
-    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
+    except (zlib.error, zipfile.BadZipFile) as e:  # an npz member's deflate stream or CRC
+        raise DataError(f"{path}: {where}: the file is damaged ({first_line(e)}); download or write it "
+                        "again") from None
+    except ValueError as e:
+        if "pickle" in str(e):  # numpy's message suggests loading it unsafely: never that
+            raise DataError(f"{path}: {where}: cannot be read as {kind}: it holds pickled Python objects, "
+                            "not an array of numbers (wm never loads pickled data)") from None
+        raise DataError(f"{path}: {where}: cannot be read as {kind} ({first_line(e)})") from None
+    except (OSError, EOFError, KeyError) as e:
         raise DataError(f"{path}: {where}: cannot be read as {kind} ({first_line(e)})") from None
 
 
-def _load_npy_npz(path: Path, key: Optional[str], where: str, what: str) -> np.ndarray:
+NPY_MAGIC = b"\x93NUMPY"
+ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first local header, or an empty zip
+
+
+def _sniff(path: Path, where: str) -> str:
+    """".npy" or ".npz" by the file's first bytes, whatever its name; anything else (a failed
+    download's HTML page, a truncated file) is a DataError quoting how it begins."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if head.startswith(NPY_MAGIC):
+        return ".npy"
+    if head[:4] in ZIP_MAGIC:
+        return ".npz"
+    shown = head.split(b"\n")[0][:32].decode("ascii", "replace").strip() if head else ""
+    begins = f"it begins with {shown!r}" if head else "it is empty"
+    raise DataError(f"{path}: {where}: not a NumPy {path.suffix} file ({begins}): damaged, or something "
+                    "else saved under this name (a failed download's web page?); download or write it again")
+
+
+@contextmanager
+def _open_frame(path: Path, where: str, fix: str, mmap: bool = False):
+    """A frame file opened after checking by its first bytes that it is what its name says: yields
+    the array of a .npy or the NpzFile of a .npz. Read errors in the `with` body (npz members
+    decompress lazily there) are one DataError naming the file; `fix` says what to do about a
+    .npy saved under an .npz name."""
     with _reading(path, where, path.suffix):
+        kind = _sniff(path, where)
+        if kind != path.suffix and path.suffix in (".npy", ".npz"):
+            got = "a single .npy array (np.save)" if kind == ".npy" else "an .npz archive (np.savez)"
+            raise DataError(f"{path}: {where}: holds {got}, not what its {path.suffix} name says; {fix}")
+        if kind == ".npy":
+            yield np.load(path, allow_pickle=False, mmap_mode="r" if mmap else None)
+        else:
+            with np.load(path, allow_pickle=False) as z:
+                yield z
+
+
+FRAMES_FIX = "give it the name its contents have (.npy for np.save, .npz for np.savez)"
+OCC3D_FIX = ("an Occ3D labels.npz is an .npz archive of semantics, mask_lidar and mask_camera: download it "
+             "again")
+
+
+def _load_npy_npz(path: Path, key: Optional[str], where: str, what: str) -> np.ndarray:
+    with _open_frame(path, where, FRAMES_FIX) as z:
         if path.suffix == ".npy":
-            return np.load(path, allow_pickle=False)
-        with np.load(path, allow_pickle=False) as z:
-            names = list(z.files)
-            if key is None:
-                if not names:
-                    raise DataError(f"{path}: {where}: the .npz holds no arrays")
-                key = "semantics" if "semantics" in names else names[0]
-            if key not in names:
-                raise DataError(f"{path}: {where}: has no array {key!r} for the {what} (it holds {names})")
-            return z[key]
+            return z
+        names = list(z.files)
+        if key is None:
+            if not names:
+                raise DataError(f"{path}: {where}: the .npz holds no arrays")
+            key = "semantics" if "semantics" in names else names[0]
+        if key not in names:
+            raise DataError(f"{path}: {where}: has no array {key!r} for the {what} (it holds {names})")
+        return z[key]
 
 
 def _labels(a: np.ndarray, path: Path, where: str, info: DatasetInfo) -> np.ndarray:
@@ -214,12 +264,17 @@ def read_scene(spec: SceneSpec, info: DatasetInfo) -> tuple[np.ndarray, Optional
         path, where = Path(f), f"scene {spec.name!r} frame {spec.ids[i]}"
         if spec.reader == "occ3d":
             bits = spec.opts["mask"]
-            with _reading(path, where, ".npz"), np.load(path, allow_pickle=False) as z:
+            with _open_frame(path, where, OCC3D_FIX) as z:
                 need = ["semantics"] + [f"mask_{b}" for b in bits]
                 missing = [k for k in need if k not in z.files]
                 if missing:
                     raise DataError(f"{path}: {where}: has no array {missing[0]!r} (it holds {list(z.files)})")
                 arrays = {k: z[k] for k in need}
+            if arrays["semantics"].dtype != np.uint8:  # e.g. OpenOcc: int32, free = 16
+                raise DataError(f"{path}: {where}: semantics has dtype {arrays['semantics'].dtype}, but "
+                                "Occ3D-nuScenes stores uint8 class ids (free = 17): this is another data "
+                                "set's format (OpenOcc: int32, free = 16); convert it with "
+                                "tools/convert_frames.py and its own class list")
             occ[i] = _labels(arrays["semantics"], path, where, info)
             for b in bits:
                 mask[i] |= _visible(arrays[f"mask_{b}"], path, where, info, f"mask_{b}").astype(np.uint8) * MASK_BITS[b]
@@ -288,10 +343,18 @@ def load_annotations(path: Path) -> dict:
     return d
 
 
-def occ3d_scene(root: Path, ann_path: Path, name: str, split: str, infos, bits: tuple) -> SceneSpec:
+QUAT_ORDERS = {"wxyz": (0, 1, 2, 3), "xyzw": (3, 0, 1, 2)}  # positions of w, x, y, z in the file
+
+
+def occ3d_scene(root: Path, ann_path: Path, name: str, split: str, infos, bits: tuple,
+                quat_order: str = "wxyz") -> SceneSpec:
     """Plan one Occ3D scene from annotations.json: frames ordered by timestamp, the order checked
-    against the prev/next chain, poses from the quaternions, every label file present."""
+    against the prev/next chain, poses from the quaternions (`quat_order`: how the file writes
+    them), every label file present (an absolute gt_path that is not here, e.g. recorded on another
+    machine, falls back to root/gts/<scene>/<token>/labels.npz)."""
     where = f"{ann_path}: scene {name!r}"
+    qo = QUAT_ORDERS[quat_order]
+    quats = []
     if infos is None:
         raise DataError(f"{ann_path}: {split}_split lists scene {name!r} but scene_infos has no entry for it")
     if not isinstance(infos, dict):
@@ -315,7 +378,9 @@ def occ3d_scene(root: Path, ann_path: Path, name: str, split: str, infos, bits: 
                             f"got {json.dumps(ep)[:120]}") from None
         if t.shape != (3,) or q.shape != (4,):
             raise DataError(f"{fw}: ego_pose translation has {t.size} numbers and rotation {q.size}; "
-                            "expected 3 and 4 (w, x, y, z)")
+                            f"expected 3 and 4 ({', '.join(quat_order)})")
+        quats.append((ts, q))
+        q = q[list(qo)]  # as w, x, y, z
         qn = float(np.linalg.norm(q))
         if not math.isfinite(qn) or abs(qn - 1.0) > POSE_TOL:
             raise DataError(f"{fw}: ego_pose rotation {q.tolist()} is not a unit quaternion (norm {qn:.4g}): "
@@ -345,20 +410,29 @@ def occ3d_scene(root: Path, ann_path: Path, name: str, split: str, infos, bits: 
                                 "(a frame is missing from annotations.json)")
             raise DataError(f"{where} frame {tok}: '{key}' is {got!r} but by timestamp it is "
                             f"{want if want is not None else 'the scene end'}: prev/next disagree with the timestamps")
+    files = []
     for _, tok, _, path, _ in rows:
         if not path.is_file():
-            raise DataError(f"{path}: missing (scene {name!r} frame {tok}, listed in {ann_path})")
-    return SceneSpec(name, split, [str(r[3]) for r in rows], ids, ts, np.stack([r[2] for r in rows]),
-                     "occ3d", {"mask": tuple(bits)})
+            usual = root / "gts" / name / tok / "labels.npz"
+            if not usual.is_file():
+                also = f"; not at {usual} either" if usual != path else ""
+                raise DataError(f"{path}: missing (scene {name!r} frame {tok}, listed in {ann_path}){also}")
+            path = usual
+        files.append(str(path))
+    quats.sort(key=lambda r: r[0])
+    return SceneSpec(name, split, files, ids, ts, np.stack([r[2] for r in rows]),
+                     "occ3d", {"mask": tuple(bits), "quat": np.stack([q for _, q in quats])})
 
 
 def occ3d_scenes(root: str | os.PathLike, annotations: Optional[str | os.PathLike] = None,
-                 mask: str = "both", max_scenes: int = 0):
+                 mask: str = "both", max_scenes: int = 0, quat_order: str = "wxyz"):
     """Plan an Occ3D-nuScenes conversion: ({split: [scene names]}, {name: SceneSpec}, bad), bad
     being [{"scene", "split", "error"}] for scenes that cannot be converted (annotations alone)."""
     root = Path(root)
     if mask not in MASK_MODES:
         raise DataError(f"--mask {mask!r} must be one of {list(MASK_MODES)}")
+    if quat_order not in QUAT_ORDERS:
+        raise DataError(f"--quat-order {quat_order!r} must be one of {list(QUAT_ORDERS)}")
     ann_path = Path(annotations) if annotations else root / "annotations.json"
     d = load_annotations(ann_path)
     order = {"train": list(d["train_split"]), "val": list(d["val_split"])}
@@ -369,10 +443,42 @@ def occ3d_scenes(root: str | os.PathLike, annotations: Optional[str | os.PathLik
         for name in names:
             try:
                 specs[name] = occ3d_scene(root, ann_path, str(name), split, d["scene_infos"].get(name),
-                                          MASK_MODES[mask])
+                                          MASK_MODES[mask], quat_order)
             except DataError as e:
                 bad.append({"scene": str(name), "split": split, "error": str(e)})
     return order, specs, bad
+
+
+TILT_DEG = 30.0  # an ego tilted further from upright than this is not driving on a road
+TILT_SHARE = 0.05  # share of such frames that makes the quaternion order suspect
+
+
+def _tilt_share(quats: np.ndarray, order: str) -> float:
+    """Share of rotations (file's numbers `quats`, read in `order`) that tilt the ego's up axis
+    more than TILT_DEG from the global up axis."""
+    q = quats[:, list(QUAT_ORDERS[order])]
+    q = q / np.linalg.norm(q, axis=1, keepdims=True)
+    up_z = 1 - 2 * (q[:, 1] ** 2 + q[:, 2] ** 2)  # R[2, 2] of each rotation
+    return float((up_z < math.cos(math.radians(TILT_DEG))).mean())
+
+
+def quat_order_warning(specs: Iterable[SceneSpec], ann_path, quat_order: str) -> Optional[str]:
+    """A line when the ego poses read with `quat_order` tilt many frames far from upright (ground
+    vehicles stay within a few degrees of it): the quaternions are probably written in the other
+    order. Which order a file uses cannot be proven from one frame; over a data set it shows."""
+    quats = [s.opts["quat"] for s in specs if "quat" in s.opts]
+    if not quats:
+        return None
+    quats = np.concatenate(quats)
+    share = _tilt_share(quats, quat_order)
+    if share <= TILT_SHARE:
+        return None
+    other = next(o for o in QUAT_ORDERS if o != quat_order)
+    alt = _tilt_share(quats, other)
+    hint = (f"read as {','.join(other)} only {100 * alt:.0f} % would be: if the file writes them so, convert "
+            f"with --quat-order {other}") if alt < share else "check the poses"
+    return (f"{ann_path}: {100 * share:.0f} % of the {len(quats)} ego rotations, read as quaternions "
+            f"{','.join(quat_order)}, tilt the vehicle more than {TILT_DEG:g} degrees from upright; {hint}")
 
 
 def occ3d_info(grid=OCC3D_GRID, mask: str = "both") -> DatasetInfo:
@@ -597,10 +703,8 @@ def peek_grid(spec: SceneSpec) -> tuple[int, int, int]:
     f = Path(spec.files[0])
     where = f"scene {spec.name!r} frame {spec.ids[0]}"
     if f.suffix == ".npy":
-        try:
-            a = np.load(f, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError, EOFError) as e:
-            raise DataError(f"{f}: {where}: cannot be read as .npy ({first_line(e)})") from None
+        with _open_frame(f, where, FRAMES_FIX, mmap=True) as a:
+            pass
     else:
         a = _load_npy_npz(f, spec.opts.get("key"), where, "occupancy")
     if a.ndim != 3:
@@ -651,11 +755,13 @@ def _report(scenes: int, frames: int) -> None:
         _PROGRESS(scenes, frames)
 
 
-def _write_shard(job: tuple) -> tuple[Optional[dict], list[dict]]:
-    """Write one shard (runs in a worker). Returns (manifest entry or None, skipped scenes)."""
+def _write_shard(job: tuple) -> tuple[Optional[dict], list[dict], np.ndarray]:
+    """Write one shard (runs in a worker). Returns (manifest entry or None, skipped scenes, voxel
+    count per class of the scenes written)."""
     out, task, info, kind, compression, skip_bad, extra = job
     path = Path(out) / task.name
     skipped, added = [], 0
+    hist = np.zeros(info.num_classes, np.int64)
     with ShardWriter(path, kind, info, compression=compression, overwrite=True) as w:
         for spec in task.specs:
             try:
@@ -667,6 +773,8 @@ def _write_shard(job: tuple) -> tuple[Optional[dict], list[dict]]:
                 _report(1, 0)
                 continue
             w.add_scene(spec.name, occ, spec.pose, spec.timestamp, mask)
+            for frame in occ:  # a frame at a time: bincount makes an int64 copy of its input
+                hist += np.bincount(frame.ravel(), minlength=info.num_classes)
             added += 1
             _report(1, len(spec.files))
         try:
@@ -674,8 +782,8 @@ def _write_shard(job: tuple) -> tuple[Optional[dict], list[dict]]:
         except DataError:
             if added:
                 raise
-            return None, skipped
-    return {**entry, "split": task.split, **extra}, skipped
+            return None, skipped, hist
+    return {**entry, "split": task.split, **extra}, skipped, hist
 
 
 def _pid_alive(pid: int) -> bool:
@@ -743,13 +851,20 @@ def _lock(out: Path):
     except ImportError:  # not POSIX: no lock
         yield
         return
-    f = open(out / ".convert.lock", "a")
+    path = out / ".convert.lock"
+    f = open(path, "a")
     try:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # the holder removes the file when done: a lock won on a removed file is no lock
+            if not path.exists() or os.stat(path).st_ino != os.fstat(f.fileno()).st_ino:
+                raise OSError
         except OSError:
             raise DataError(f"another conversion is writing into {out}; wait for it or choose another --out") from None
-        yield
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)  # while still holding it; nothing is left in --out
     finally:
         f.close()
 
@@ -789,6 +904,7 @@ class Result:
     skipped: list[dict]
     written: list[str]  # shard names written this run
     kept: list[str]  # finished shards found and kept
+    warnings: list[str] = field(default_factory=list)  # what looks wrong but converted
 
 
 def _check_record(out: Path, record: dict) -> None:
@@ -812,12 +928,15 @@ def _check_record(out: Path, record: dict) -> None:
 def convert(out: str | os.PathLike, info: DatasetInfo, order: dict[str, list[str]], specs: dict[str, SceneSpec],
             bad: list[dict], *, kind: str = "hdf5", compression: str = "zstd3", scenes_per_shard: int = 8,
             workers: int = 1, skip_bad: bool = False, record: Optional[dict] = None, extra: Optional[dict] = None,
-            progress: bool = True, log: Callable[[str], None] = print) -> Result:
+            progress: bool = True, log: Callable[[str], None] = print, warnings: Iterable[str] = ()) -> Result:
     """Write (or finish writing) the data set at `out` from the planned scenes; see the module doc.
 
     bad: scenes the planner refused ([{"scene", "split", "error"}]); without skip_bad the first is
     raised. record: what goes into conversion.json ("options" must match on a re-run). extra: keys
-    added to every shard entry (the mask bits)."""
+    added to every shard entry (the mask bits). warnings: the planner's (e.g. quat_order_warning);
+    a class histogram whose most common class is not the free one adds its own (class_warning).
+    With skip_bad, a split whose every scene was skipped stops the run before the manifest is
+    written (a data set without its validation split would only fail later, in training)."""
     if bad and not skip_bad:
         more = f" (+{len(bad) - 1} more; --skip-bad converts the rest and lists them)" if len(bad) > 1 else ""
         raise DataError(bad[0]["error"] + more)
@@ -863,6 +982,7 @@ def convert(out: str | os.PathLike, info: DatasetInfo, order: dict[str, list[str
             (out / MANIFEST).unlink()  # never a manifest that disagrees with the shards
         write_bytes(out / CONVERSION, json.dumps({**record, "status": "in progress"}, indent=1) + "\n")
         skipped = list(bad)
+        hist = np.zeros(info.num_classes, np.int64)
         bar = Progress(sum(len(t.specs) for t in pending), progress)
         jobs = [(str(out), t, info, kind, compression, skip_bad, extra) for t in pending]
         results: dict[str, tuple] = {}
@@ -879,22 +999,63 @@ def convert(out: str | os.PathLike, info: DatasetInfo, order: dict[str, list[str
         if jobs:
             bar.draw(end=True)
         for t in pending:
-            entry, sk = results[t.name]
+            entry, sk, h = results[t.name]
             skipped += sk
+            hist += h
             if entry is not None:
                 entries[t.name] = entry
         final = [entries[t.name] for t in tasks if t.name in entries]
-        if not final:
-            raise DataError(f"nothing was converted into {out}: every scene was skipped (see the errors above)")
         write_bytes(out / SKIPPED, json.dumps(skipped, indent=1) + "\n")
+        _check_splits(out, order, final, skipped, log)
+        warnings = list(warnings) + ([w] if (w := class_warning(out, info, hist)) else [])
         m = Manifest(out, info, final)
         split_counts = {s: sum(e["scenes"] for e in final if e["split"] == s) for s in order}
         m.write()
         write_bytes(out / CONVERSION, json.dumps({**record, "status": "complete", "scenes": split_counts,
                                                  "frames": sum(e["frames"] for e in final),
-                                                 "skipped": len(skipped), "fingerprint": m.fingerprint},
-                                                indent=1) + "\n")
-        return Result(m, skipped, [t.name for t in pending if t.name in entries], kept)
+                                                 "skipped": len(skipped), "fingerprint": m.fingerprint,
+                                                 "warnings": warnings}, indent=1) + "\n")
+        return Result(m, skipped, [t.name for t in pending if t.name in entries], kept, warnings)
+
+
+def _check_splits(out: Path, order: dict[str, list[str]], final: list[dict], skipped: list[dict],
+                  log: Callable[[str], None]) -> None:
+    """Stop (no manifest) when nothing, or no scene of a planned split, was converted; every
+    skipped scene is printed first and listed in skipped.json."""
+    empty = [sp for sp, names in order.items() if names and not any(e["split"] == sp for e in final)]
+    if final and not empty:
+        return
+    for s in skipped:
+        log(f"skipped {s['split']} scene {s['scene']}: {s['error']}")
+    if not final:
+        n = len(skipped)
+        if not n:
+            raise DataError(f"nothing to convert into {out}: no scenes were found")
+        raise DataError(f"nothing was converted into {out}: {'all ' if n > 1 else ''}{n} scene{'s' if n != 1 else ''} "
+                        f"{'were' if n != 1 else 'was'} skipped, each listed in {out / SKIPPED}; the first: "
+                        f"{skipped[0]['error']}")
+    sp = empty[0]
+    first = next(s for s in skipped if s["split"] == sp)
+    raise DataError(f"every {sp} scene ({len(order[sp])}) was skipped, so {out} would have no {sp!r} split; no "
+                    f"manifest was written. Fix them (listed in {out / SKIPPED}) and run the same command again; "
+                    f"the first: {first['error']}")
+
+
+FREE_SHARE_HINT = "OpenOcc numbers free 16, Occ3D-nuScenes 17"
+
+
+def class_warning(out: Path, info: DatasetInfo, hist: np.ndarray) -> Optional[str]:
+    """A line when the most common class of the converted voxels is not the free class: occupancy
+    grids are mostly empty, so the class ids or the free class do not match these files."""
+    total = int(hist.sum())
+    top = int(np.argmax(hist))
+    if not total or top == info.free_class:
+        return None
+    share = lambda c: f"{100 * hist[c] / total:.1f} %"  # noqa: E731
+    return (f"{out}: the most common class is {top} '{info.class_names[top]}' ({share(top)} of the voxels), "
+            f"not the free class {info.free_class} '{info.class_names[info.free_class]}' "
+            f"({share(info.free_class)}): the class ids or the free class probably do not match these files "
+            f"({FREE_SHARE_HINT})")
 
 
 def _run_pool(jobs: list[tuple], workers: int, bar: Progress, out: Path) -> dict[str, tuple]:
@@ -947,12 +1108,13 @@ def add_writer_args(ap: argparse.ArgumentParser) -> None:
 
 
 def convert_and_report(a, info: DatasetInfo, order, specs, bad, record: dict, bits: dict, t0: float,
-                       summary: str) -> int:
+                       summary: str, warnings: Iterable[str] = ()) -> int:
     """The converters' common ending: print `summary`, convert with the CLI options `a`, report."""
     print(summary)
     res = convert(a.out, info, order, specs, bad, kind=a.format, compression=a.compression,
                   scenes_per_shard=a.scenes_per_shard, workers=a.workers, skip_bad=a.skip_bad,
-                  record=record, extra={"mask_bits": bits} if bits else {}, progress=not a.quiet)
+                  record=record, extra={"mask_bits": bits} if bits else {}, progress=not a.quiet,
+                  warnings=warnings)
     return report(a.out, res, t0, a.verify)
 
 
@@ -972,6 +1134,8 @@ def report(out, res, t0: float, do_verify: bool) -> int:
     if res.skipped:
         print(f"skipped {len(res.skipped)} scene{'s' if len(res.skipped) != 1 else ''}: listed in "
               f"{Path(out) / 'skipped.json'}")
+    for w in res.warnings:  # last, where they are seen; also in conversion.json
+        print(f"warning: {w}", file=sys.stderr)
     if do_verify:
         problems = verify(out)
         for p in problems:

@@ -69,12 +69,17 @@ def relative_motion(poses: np.ndarray, ref: int) -> np.ndarray:
     return np.stack([rel[:, 0, 3], rel[:, 1, 3], yaw], 1).astype(np.float32)
 
 
+# how the window settings are named in messages: config keys here, a tool's own flags there
+CONFIG_KEYS = {"past": "data.past={}", "future": "data.future={}", "stride": "data.stride={}"}
+
+
 class OccWindows(Dataset):
     """The windows of one split of a data set; items are dicts of tensors:
     `occ` uint8 (T, X, Y, Z), `motion` float32 (T, 3), `mask` uint8 (T, X, Y, Z) if
-    data.use_mask, `index` int64 (the window's index, for per-sample randomness and debugging)."""
+    data.use_mask, `index` int64 (the window's index, for per-sample randomness and debugging).
+    `keys` names past / future / stride in the message of a window longer than every scene."""
 
-    def __init__(self, root: str | os.PathLike, split: str, cfg: DataConfig):
+    def __init__(self, root: str | os.PathLike, split: str, cfg: DataConfig, keys: dict = CONFIG_KEYS):
         self.cfg, self.split = cfg, split
         self.manifest, self.shards = open_split(root, split, int(cfg.h5_cache_mib * 2**20))
         check_against_config(self.manifest, cfg)
@@ -82,7 +87,8 @@ class OccWindows(Dataset):
         if len(self.index) == 0:
             longest = max(int(np.diff(s.scene_offsets).max()) for s in self.shards)
             raise DataError(f"{self.manifest.root / 'manifest.json'}: a window of {cfg.window} frames "
-                            f"(data.past={cfg.past} + data.future={cfg.future}) at data.stride={cfg.stride} "
+                            f"({keys['past'].format(cfg.past)} + {keys['future'].format(cfg.future)}) at "
+                            f"{keys['stride'].format(cfg.stride)} "
                             f"spans {cfg.span} frames, but the longest scene in split {split!r} has "
                             f"{longest}; shorten the window or the stride")
         if cfg.max_windows and cfg.max_windows < len(self.index):
@@ -134,26 +140,43 @@ class CodeWindows(Dataset):
 
     `codes_path` is a `.npy` of int16 codes (N, h, w), one row per frame of the split in
     `windows.frame_base()` order (written once by the training loop with the frozen tokenizer).
-    Items: `codes` int16 (T, h, w), `motion` float32 (T, 3), `index`. Opened lazily per process.
+    Items: `codes` int16 (T, h, w), `motion` float32 (T, 3), `index`, and with `mask_path` (a
+    `.npy` of uint8 token-cell masks in the same rows, data.use_mask) `mask` uint8 (T, h, w).
+    Opened lazily per process.
     """
 
-    def __init__(self, windows: OccWindows, codes_path: str | os.PathLike):
+    def __init__(self, windows: OccWindows, codes_path: str | os.PathLike,
+                 mask_path: Optional[str | os.PathLike] = None):
         self.w, self.path = windows, Path(codes_path)
+        self.mask_path = Path(mask_path) if mask_path else None
         self.base = windows.frame_base()
         self._codes: Optional[np.ndarray] = None
+        self._mask: Optional[np.ndarray] = None
         codes = self._open()
         if codes.shape[0] != windows.num_frames or codes.dtype != np.int16:
             raise DataError(f"token cache {self.path}: {codes.dtype}{codes.shape} does not hold one int16 "
                             f"code map per frame ({windows.num_frames} frames); delete it to rebuild")
-        self._codes = None  # workers map it themselves
+        if self.mask_path and self._open_mask().shape != codes.shape:
+            raise DataError(f"token cache {self.mask_path}: shape {self._mask.shape}, the codes' is "
+                            f"{codes.shape}; delete it to rebuild")
+        self._codes = self._mask = None  # workers map them themselves
+
+    @staticmethod
+    def _map(path: Path) -> np.ndarray:
+        try:
+            return np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise DataError(f"token cache {path} cannot be read ({e}); delete it to rebuild") from None
 
     def _open(self) -> np.ndarray:
         if self._codes is None:
-            try:
-                self._codes = np.load(self.path, mmap_mode="r")
-            except (OSError, ValueError) as e:
-                raise DataError(f"token cache {self.path} cannot be read ({e}); delete it to rebuild") from None
+            self._codes = self._map(self.path)
         return self._codes
+
+    def _open_mask(self) -> np.ndarray:
+        if self._mask is None:
+            self._mask = self._map(self.mask_path)
+        return self._mask
 
     def __len__(self) -> int:
         return len(self.w)
@@ -164,12 +187,15 @@ class CodeWindows(Dataset):
         codes = np.array(self._open()[g:g + span:s])
         sh = self.w.shards[sid]
         motion = relative_motion(sh.pose[first:first + span:s], self.w.cfg.past - 1)
-        return {"codes": torch.from_numpy(codes), "motion": torch.from_numpy(motion),
-                "index": torch.tensor(i, dtype=torch.int64)}
+        out = {"codes": torch.from_numpy(codes), "motion": torch.from_numpy(motion),
+               "index": torch.tensor(i, dtype=torch.int64)}
+        if self.mask_path:
+            out["mask"] = torch.from_numpy(np.array(self._open_mask()[g:g + span:s]))
+        return out
 
     def __getstate__(self):
         d = dict(self.__dict__)
-        d["_codes"] = None
+        d["_codes"] = d["_mask"] = None
         return d
 
 

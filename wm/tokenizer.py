@@ -383,6 +383,15 @@ def lovasz_softmax(probs: Tensor, labels: Tensor, present_only: bool = True) -> 
     return _LovaszSoftmax.apply(probs, labels.long(), present_only)
 
 
+def masked_cross_entropy(logits: Tensor, target: Tensor, mask: Tensor) -> Tensor:
+    """Cross-entropy averaged over the positions where `mask` (shaped like `target`) is nonzero:
+    logits (N, C, ...), target (N, ...) long. A masked-out position's label has no effect on the
+    value or the gradient (its gradient is exactly 0); all masked out gives 0, not NaN."""
+    keep = mask != 0
+    per = F.cross_entropy(logits, target, reduction="none")
+    return torch.where(keep, per, 0.0).sum() / keep.sum().clamp_min(1)
+
+
 # ------------------------------------------------------------------------------------------ model
 
 
@@ -522,8 +531,9 @@ class Tokenizer(nn.Module):
         logits = self._decode_zq(self.quantizer.lookup(c))
         return logits.reshape(*lead, *logits.shape[1:])
 
-    def forward(self, occ: Tensor) -> dict[str, Tensor]:
-        """Reconstruct `occ` (..., X, Y, Z) and score it. Returns:
+    def forward(self, occ: Tensor, mask: Tensor | None = None) -> dict[str, Tensor]:
+        """Reconstruct `occ` (..., X, Y, Z) and score it (on the voxels where `mask`, shaped like
+        occ, is nonzero, when given; see `loss`). Returns:
 
         - logits      (..., C, X, Y, Z) float
         - codes       (..., X/4, Y/4) long
@@ -539,7 +549,7 @@ class Tokenizer(nn.Module):
         z = self._encode_z(flat)
         zq, codes, vq, stats = self.quantizer(z)
         logits = self._decode_zq(zq)
-        out = self.loss(logits, flat, vq)
+        out = self.loss(logits, flat, vq, mask=None if mask is None else mask.reshape(flat.shape))
         out.update(stats)
         steps = self.quantizer.dead_code_steps
         out["dead_codes"] = (self.quantizer.code_age >= steps).sum().float() if steps > 0 else vq.new_zeros(())
@@ -547,15 +557,25 @@ class Tokenizer(nn.Module):
         out["codes"] = codes.reshape(*lead, *codes.shape[1:])
         return out
 
-    def loss(self, logits: Tensor, occ: Tensor, vq: Tensor) -> dict[str, Tensor]:
-        """logits (N, C, X, Y, Z), occ (N, X, Y, Z) integer, vq scalar -> dict(loss, ce, lovasz, vq)."""
+    def loss(self, logits: Tensor, occ: Tensor, vq: Tensor, mask: Tensor | None = None) -> dict[str, Tensor]:
+        """logits (N, C, X, Y, Z), occ (N, X, Y, Z) integer, vq scalar -> dict(loss, ce, lovasz, vq).
+        With `mask` (shaped like occ; data.use_mask), CE and Lovasz cover only the voxels where it is
+        nonzero: a masked-out voxel's label changes neither the loss nor its gradient. Without it
+        (the default, OccWorld's protocol) every voxel counts."""
         cfg = self.cfg
         logits = logits.reshape(-1, *logits.shape[-4:])
         target = occ.long().reshape(-1, *occ.shape[-3:])
-        ce = F.cross_entropy(logits, target)
+        if mask is None:
+            ce = F.cross_entropy(logits, target)
+        else:
+            ce = masked_cross_entropy(logits, target, mask.reshape(target.shape))
         if cfg.lovasz_weight > 0:
             probs = logits.float().softmax(1).movedim(1, -1).reshape(-1, self.num_classes)
-            lov = lovasz_softmax(probs, target.reshape(-1))
+            labels = target.reshape(-1)
+            if mask is not None:  # the visible points only (Lovasz ranks errors over whatever it is given)
+                keep = mask.reshape(-1) != 0
+                probs, labels = probs[keep], labels[keep]
+            lov = lovasz_softmax(probs, labels) if labels.numel() else probs.sum() * 0.0
         else:
             lov = ce.new_zeros(())
         total = cfg.ce_weight * ce + cfg.lovasz_weight * lov + cfg.vq_weight * vq
@@ -564,3 +584,10 @@ class Tokenizer(nn.Module):
     def reset_dead_codes(self, candidates: Tensor | None = None) -> int:
         """See VectorQuantizer.reset_dead_codes; call after optimizer.step()."""
         return self.quantizer.reset_dead_codes(candidates)
+
+    def token_mask(self, mask: Tensor) -> Tensor:
+        """Voxel mask (..., X, Y, Z) -> (..., X/4, Y/4) bool: the token cells whose column holds
+        at least one visible (nonzero) voxel, the cells a masked world-model loss counts."""
+        d, (x, y, z) = self.downsample, self.grid
+        m = (mask != 0).reshape(*mask.shape[:-3], x // d, d, y // d, d, z)
+        return m.any(-1).any(-1).any(-2)  # over z, then the cell's y, then its x

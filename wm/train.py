@@ -43,11 +43,11 @@ import wm
 from wm import distributed as D, runlock
 from wm.checkpoint import (Checkpointer, CheckpointError, latest_checkpoint, load_checked, newest_valid, rng_state,
                            set_rng_state, sha256_file, write_atomic)
-from wm.config import Config, StageConfig, from_dict, load as load_config, save as save_config, to_dict
+from wm.config import Config, DataConfig, StageConfig, from_dict, load as load_config, save as save_config, to_dict
 from wm.data import (CodeWindows, OccWindows, ResumableSampler, check_against_config, ignore_stop_signals, make_loader,
                      resolve_root, start_workers)
 from wm.atomic import write_bytes
-from wm.errors import ConfigError, WMError, first_line
+from wm.errors import ConfigError, DataError, WMError, first_line
 from wm.logs import Logger, eta
 from wm.evaluate import autocast, eval_batches, evaluate_run, forecast, frames_config, reconstruction
 from wm.tokenizer import Tokenizer, count_parameters
@@ -305,6 +305,66 @@ RESUME_MAY_CHANGE = {
 
 
 # ---------------------------------------------------------------------------------------------
+# what the stages train on, checked for all of them before the first one starts
+
+
+def stage_data(cfg: Config, name: str) -> DataConfig:
+    """The windows a stage trains and validates on: single frames for the tokenizer, data.past +
+    data.future frames every data.stride-th for the world model; with the mask where data.use_mask."""
+    return frames_config(cfg.data, use_mask=cfg.data.use_mask) if name == "tokenizer" else cfg.data
+
+
+def batches_per_rank(name: str, samples: int, world_size: int, batch: int, grad_accum: int) -> int:
+    """Full batches of `batch` each rank draws from `samples` training samples per epoch; fewer
+    than one optimizer step's worth is refused."""
+    n = samples // world_size // batch
+    if n < grad_accum:
+        raise WMError(f"{name} stage: {samples} training samples give {n} batches of {batch} per rank, "
+                      f"fewer than grad_accum={grad_accum}; use a smaller {name}_stage.batch_size or more data")
+    return n
+
+
+def val_metrics(name: str, future: int) -> list[str]:
+    """The validation metrics a stage reports (TokenizerStage.evaluate, WorldStage.evaluate)."""
+    if name == "tokenizer":
+        return ["val/iou", "val/miou", "val/code_usage", "val/perplexity"]
+    return ["val/iou", "val/miou", "val/copy_last_iou", "val/copy_last_miou"] + [
+        f"val/{pre}{m}_t{t + 1}" for pre in ("", "copy_last_") for m in ("iou", "miou") for t in range(future)]
+
+
+def check_stages(run: Run) -> None:
+    """Every check that can fail a stage, for each stage still to run, before the first step of the
+    first one (a world stage that cannot start must not wait for hours of tokenizer training): both
+    splits present with windows at the stage's settings (window length at data.stride), the batch
+    against the training windows, the best_metric. Window indexes come from scene offsets alone,
+    so this reads no frames. Also says whether training uses the visibility mask."""
+    cfg, d = run.cfg, run.d
+    for name in cfg.train.stages:
+        if (run.stage_dir(name) / "done.json").is_file():
+            continue
+        s = getattr(cfg, f"{name}_stage")
+        data = stage_data(cfg, name)
+        try:
+            samples = len(OccWindows(run.root, cfg.data.train_split, data))
+            OccWindows(run.root, cfg.data.val_split, data)
+        except DataError as e:
+            raise DataError(f"{name} stage: {e}") from None
+        batches_per_rank(name, samples, d.world_size, s.batch_size or cfg.data.batch_size, s.grad_accum)
+        metrics = val_metrics(name, cfg.data.future)
+        if s.best_metric not in metrics:
+            raise ConfigError(f"{name}_stage.best_metric", f"{s.best_metric!r} is not a validation metric of "
+                              f"the {name} stage; choose one of {', '.join(metrics)}")
+    if cfg.data.use_mask:
+        bits = f"mask bits {cfg.data.mask_bits}" if cfg.data.mask_bits else "any nonzero mask value"
+        run.say(f"masks: training and validation use only visible voxels (data.use_mask, {bits}): masked "
+                "cross-entropy and Lovasz in the tokenizer stage, masked cross-entropy over token cells "
+                "that see a visible voxel in the world stage")
+    elif run.manifest.info.has_mask:
+        run.say("masks: the data set has visibility masks; training uses every voxel (OccWorld's protocol). "
+                "data.use_mask=true trains and validates on visible voxels only")
+
+
+# ---------------------------------------------------------------------------------------------
 # stages: what differs between the tokenizer and the world model
 
 
@@ -314,7 +374,7 @@ class TokenizerStage:
     def __init__(self, run: Run):
         cfg = run.cfg
         self.run, self.cfg, self.scfg = run, cfg, cfg.tokenizer_stage
-        fc = frames_config(cfg.data)
+        fc = stage_data(cfg, self.name)
         self.train_ds = OccWindows(run.root, cfg.data.train_split, fc)
         self.val_ds = OccWindows(run.root, cfg.data.val_split,
                                  dataclasses.replace(fc, max_windows=cfg.data.max_windows))
@@ -322,7 +382,8 @@ class TokenizerStage:
         self.model = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
 
     def loss(self, model: nn.Module, batch: dict) -> dict:
-        return model(batch["occ"][:, 0])
+        # the mask is in the batch only with data.use_mask (stage_data)
+        return model(batch["occ"][:, 0], mask=batch["mask"][:, 0] if "mask" in batch else None)
 
     def samples(self, batch: dict) -> int:
         return batch["occ"].shape[0]
@@ -365,7 +426,7 @@ class WorldStage:
         self.windows = OccWindows(run.root, cfg.data.train_split, cfg.data)
         self.val_ds = OccWindows(run.root, cfg.data.val_split, cfg.data)
         codes = build_token_cache(run, self.tokenizer, self.tok_sha, device, dtype)
-        self.train_ds = CodeWindows(self.windows, codes)
+        self.train_ds = CodeWindows(self.windows, codes, codes.with_name(CELL_MASK) if cfg.data.use_mask else None)
         torch.manual_seed(cfg.run.seed)  # here: whether the cache was built must not change them
         self.model = WorldModel(cfg.world, cfg.tokenizer.codebook_size)
         if cfg.world.widths[0] == cfg.tokenizer.code_dim:  # OccWorld feeds the codebook vectors
@@ -375,7 +436,8 @@ class WorldStage:
         # forward through the wrapper (DDP hooks it), the loss terms on the plain module
         codes, motion = batch["codes"].long(), batch["motion"]
         out = model(codes[:, :-1], motion[:, :-1])
-        res = unwrap(model).loss(out, codes[:, 1:], motion[:, 1:])
+        mask = batch["mask"][:, 1:] if "mask" in batch else None  # token cells, with data.use_mask
+        res = unwrap(model).loss(out, codes[:, 1:], motion[:, 1:], mask=mask)
         res["copy_last_acc"] = (codes[:, 1:] == codes[:, :-1]).float().mean()
         return res
 
@@ -420,24 +482,33 @@ def tokenizer_checkpoint(run: Run) -> tuple[Path, dict]:
     return found
 
 
+CELL_MASK = "cell_mask.npy"
+
+
 @torch.no_grad()
 def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> Path:
     """Encode every training frame once into <run>/token_cache/<key>/codes.npy (int16), keyed by
     the tokenizer checkpoint and the data fingerprint: a cache that does not match is rebuilt,
-    never silently used. Rank 0 builds; the others wait at the barrier."""
+    never silently used. With data.use_mask also cell_mask.npy (uint8, Tokenizer.token_mask of
+    each frame's mask; the mask bits are part of the key). Rank 0 builds; the others wait at the
+    barrier."""
     cfg, d = run.cfg, run.d
-    key = hashlib.sha256(json.dumps({"tokenizer": tok_sha, "data": run.fingerprint,
-                                     "split": cfg.data.train_split}, sort_keys=True).encode()).hexdigest()[:16]
+    use_mask = cfg.data.use_mask
+    keyed = {"tokenizer": tok_sha, "data": run.fingerprint, "split": cfg.data.train_split}
+    if use_mask:  # only then: the caches of runs without masks keep their keys
+        keyed["mask_bits"] = cfg.data.mask_bits
+    key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
     folder = run.dir / "token_cache" / key
     path = folder / "codes.npy"
-    if d.is_main and not _token_cache_ok(folder, tok_sha, run.fingerprint):  # the run folder is shared by all ranks
-        frames = OccWindows(run.root, cfg.data.train_split, frames_config(cfg.data))
+    if d.is_main and not _token_cache_ok(folder, tok_sha, run.fingerprint, use_mask):  # the run folder is shared by all ranks
+        frames = OccWindows(run.root, cfg.data.train_split, frames_config(cfg.data, use_mask=use_mask))
         h, w = tok.token_shape
         for stale in folder.parent.glob(".*.tmp-*") if folder.parent.is_dir() else []:
             shutil.rmtree(stale, ignore_errors=True)  # left by a killed build of an older wm
         # codes are gathered in memory (int16 50x50 per frame: 140 MB for nuScenes' 28k train frames),
         # then written like a checkpoint: no memory map that a full disk would turn into SIGBUS
         out = np.empty((frames.num_frames, h, w), dtype=np.int16)
+        cells = np.empty((frames.num_frames, h, w), dtype=np.uint8) if use_mask else None
         # frames in shard order: the OccWindows index of single frames is exactly frame_base order
         loader = torch.utils.data.DataLoader(frames, batch_size=max(8, cfg.data.batch_size), shuffle=False,
                                              num_workers=cfg.data.num_workers, worker_init_fn=ignore_stop_signals)
@@ -447,6 +518,8 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
             with autocast(device, dtype):
                 codes = tok.encode(occ)
             out[done:done + len(occ)] = codes.to(torch.int16).cpu().numpy()
+            if cells is not None:
+                cells[done:done + len(occ)] = tok.token_mask(batch["mask"][:, 0]).numpy()
             done += len(occ)
             tty = sys.stdout.isatty()  # a log file gets a line per 10 %, not a line per batch
             if d.is_main and (tty or done == frames.num_frames or
@@ -456,22 +529,25 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
         if d.is_main and sys.stdout.isatty():
             print()
         write_token_cache(folder, out, {"tokenizer_sha256": tok_sha, "data_fingerprint": run.fingerprint,
-                                        "split": cfg.data.train_split, "frames": frames.num_frames})
+                                        "split": cfg.data.train_split, "frames": frames.num_frames}, cells)
         run.say(f"token cache written: {path}")
     D.barrier(d)
     return path
 
 
-def write_token_cache(folder: Path, codes: np.ndarray, meta: dict) -> None:
-    """codes.npy, then meta.json with its sha256 (the cache counts only once meta.json is there),
-    each through the checkpoints' atomic write: a failure (a full disk) is one line and leaves no
-    partial cache."""
+def write_token_cache(folder: Path, codes: np.ndarray, meta: dict, cells: np.ndarray | None = None) -> None:
+    """codes.npy (and cell_mask.npy), then meta.json with their sha256 (the cache counts only once
+    meta.json is there), each through the checkpoints' atomic write: a failure (a full disk) is one
+    line and leaves no partial cache."""
     try:
         if (folder / "meta.json").exists():
             (folder / "meta.json").unlink()  # a cache being replaced stops counting first
         folder.mkdir(parents=True, exist_ok=True)
         size, sha = write_atomic(folder / "codes.npy", lambda f: np.lib.format.write_array(f, codes))
-        data = json.dumps(dict(meta, codes_bytes=size, codes_sha256=sha), indent=1).encode()
+        meta = dict(meta, codes_bytes=size, codes_sha256=sha)
+        if cells is not None:
+            meta["cell_mask_sha256"] = write_atomic(folder / CELL_MASK, lambda f: np.lib.format.write_array(f, cells))[1]
+        data = json.dumps(meta, indent=1).encode()
         write_atomic(folder / "meta.json", lambda f: f.write(data))
     except OSError as e:
         shutil.rmtree(folder, ignore_errors=True)
@@ -479,13 +555,14 @@ def write_token_cache(folder: Path, codes: np.ndarray, meta: dict) -> None:
                       f"(the tokenizer checkpoints are intact): free space under {folder.parent} and rerun") from None
 
 
-def _token_cache_ok(folder: Path, tok_sha: str, fingerprint: str) -> bool:
-    """A complete cache of this tokenizer and data whose codes match their recorded sha256."""
+def _token_cache_ok(folder: Path, tok_sha: str, fingerprint: str, use_mask: bool = False) -> bool:
+    """A complete cache of this tokenizer and data whose codes (and cell mask) match their recorded sha256."""
     m = _read_json_quiet(folder / "meta.json")
     if not m or m.get("tokenizer_sha256") != tok_sha or m.get("data_fingerprint") != fingerprint:
         return False
     try:
-        return sha256_file(folder / "codes.npy") == m.get("codes_sha256")
+        return sha256_file(folder / "codes.npy") == m.get("codes_sha256") and (
+            not use_mask or sha256_file(folder / CELL_MASK) == m.get("cell_mask_sha256"))
     except OSError:
         return False
 
@@ -623,11 +700,7 @@ def stage_parts(stage, cfg: Config, d: D.Dist, device: torch.device, dtype) -> S
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     sampler = ResumableSampler(len(stage.train_ds), d.world_size, d.rank, seed=cfg.run.seed, drop_last=True)
     loader = make_loader(stage.train_ds, sampler, cfg.data, drop_last=True, batch_size=batch)
-    per_rank_batches = len(stage.train_ds) // d.world_size // batch
-    if per_rank_batches < s.grad_accum:
-        raise WMError(f"{stage.name} stage: {len(stage.train_ds)} training samples give {per_rank_batches} "
-                      f"batches of {batch} per rank, fewer than grad_accum={s.grad_accum}; use a smaller "
-                      f"{stage.name}_stage.batch_size or more data")
+    per_rank_batches = batches_per_rank(stage.name, len(stage.train_ds), d.world_size, batch, s.grad_accum)
     steps_per_epoch = per_rank_batches // s.grad_accum
     return StageParts(model, batch, opt, scaler, sampler, loader, steps_per_epoch,
                       s.max_steps or s.epochs * steps_per_epoch)
@@ -932,6 +1005,7 @@ def main(argv=None) -> int:
                   allow_changed=tuple(k.strip() for k in args.allow_changed.split(",") if k.strip()))
         if run.resuming:
             run.say(f"resuming run {run.dir}")
+        check_stages(run)
         t0 = time.time()
         results = {}
         try:

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from wm.errors import ConfigError
-from wm.tokenizer import ResBlock, count_parameters, norm
+from wm.tokenizer import ResBlock, count_parameters, masked_cross_entropy, norm
 
 __all__ = ["WorldConfig", "WorldModel", "count_parameters", "motion_features", "compose_motion"]
 
@@ -386,13 +386,18 @@ class WorldModel(nn.Module):
         m = motion.to(p.dtype)
         return {"logits": logits, "motion": self._next_motion(p, m, displacement(m))}
 
-    def loss(self, out: dict[str, Tensor], target_codes: Tensor, target_motion: Tensor) -> dict[str, Tensor]:
+    def loss(self, out: dict[str, Tensor], target_codes: Tensor, target_motion: Tensor,
+             mask: Tensor | None = None) -> dict[str, Tensor]:
         """out from forward; targets aligned with it (frame t+1 at position t). Returns loss (weighted sum,
-        what to backward), ce, motion_l2 (mean squared error over x, y and wrapped yaw) and acc (detached)."""
+        what to backward), ce, motion_l2 (mean squared error over x, y and wrapped yaw) and acc (detached).
+        `mask` (B, T, h, w), when given (data.use_mask): CE over the nonzero cells only (Tokenizer.token_mask)."""
         cfg = self.cfg
         logits = out["logits"]
         target = target_codes.long()
-        ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(0, 1))
+        if mask is None:
+            ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(0, 1))
+        else:
+            ce = masked_cross_entropy(logits.flatten(0, 1), target.flatten(0, 1), mask.flatten(0, 1))
         err = out["motion"] - target_motion.to(out["motion"].dtype)
         err = torch.cat([err[..., :2], _wrap(err[..., 2:])], -1)
         l2 = err.pow(2).mean()
