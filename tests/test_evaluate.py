@@ -396,7 +396,7 @@ BAD = {
                         r"deep/manifest\.json: grid \[16, 16, 8\] but data\.grid is \[16, 16, 4\]"),
     "missing data": (lambda ev, tmp, od: ev.args(data__root=str(tmp / "no_data")),
                      r"data\.root .*no_data does not exist"),
-    "horizon too short": (lambda ev, tmp, od: ev.args(),
+    "horizon too short": (lambda ev, tmp, od: ev.args("--horizons", "1,2,3"),
                           r"eval horizon too short: data\.future=2 at 2 Hz, stride 1 reaches 1 s"),
     "mask the data lacks": (lambda ev, tmp, od: ev.args("--mask", "mask", "--horizons", "1",
                                                         data__root=str(od / "nomask")),

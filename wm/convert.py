@@ -74,6 +74,7 @@ CHAIN_END = (None, "", "EOF")
 
 POSE_TOL = 1e-3  # |R^T R - I| and |det R - 1| allowed before a pose is "not a rigid transform"
 TIME_UNITS = {"s": 1e6, "ms": 1e3, "us": 1.0, "ns": 1e-3}
+YAW_UNITS = {"rad": 1.0, "deg": math.pi / 180}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,13 +225,16 @@ def read_scene(spec: SceneSpec, info: DatasetInfo) -> tuple[np.ndarray, Optional
             for b in bits:
                 mask[i] |= _visible(arrays[f"mask_{b}"], path, where, info, f"mask_{b}").astype(np.uint8) * MASK_BITS[b]
         else:
-            occ[i] = _labels(_load_npy_npz(path, spec.opts.get("key"), where, "occupancy"), path, where, info)
+            fit = spec.opts.get("reframe")  # --crop / --pad: padded voxels are free and not visible
+            occ[i] = _labels(reframe(_load_npy_npz(path, spec.opts.get("key"), where, "occupancy"), fit, info.free_class,
+                                     path, where), path, where, info)
             if mask is not None:
                 if spec.opts.get("mask_key"):
                     mp, mk = path, spec.opts["mask_key"]
                 else:
                     mp, mk = Path(spec.opts["mask_files"][i]), None
-                mask[i] = _visible(_load_npy_npz(mp, mk, where, "mask"), mp, where, info, "mask").astype(np.uint8)
+                mask[i] = _visible(reframe(_load_npy_npz(mp, mk, where, "mask"), fit, 0, mp, where), mp, where, info,
+                                   "mask").astype(np.uint8)
     return occ, mask
 
 
@@ -390,8 +394,9 @@ MATRIX_COLS = tuple(f"m{r}{c}" for r in range(4) for c in range(4))
 XYZYAW_COLS = ("x", "y", "z", "yaw")
 
 
-def _pose_row(row: dict, where: str) -> tuple[Optional[str], float, np.ndarray]:
-    """(frame or None, timestamp, 4x4) from one record of a poses file (CSV row or JSON object)."""
+def _pose_row(row: dict, where: str, yaw_scale: float = 1.0) -> tuple[Optional[str], float, np.ndarray]:
+    """(frame or None, timestamp, 4x4) from one record of a poses file (CSV row or JSON object);
+    a `yaw` is multiplied by `yaw_scale` (pi/180 for --yaw-units deg)."""
     if "timestamp" not in row or row["timestamp"] in (None, ""):
         raise DataError(f"{where}: no timestamp")
 
@@ -416,15 +421,19 @@ def _pose_row(row: dict, where: str) -> tuple[Optional[str], float, np.ndarray]:
         m = np.array([num(row[k], k) for k in MATRIX_COLS]).reshape(4, 4)
     elif all(k in row for k in XYZYAW_COLS):
         x, y, z, yaw = (num(row[k], k) for k in XYZYAW_COLS)
-        m = pose_matrix(yaw_matrix(yaw), (x, y, z))
+        m = pose_matrix(yaw_matrix(yaw * yaw_scale), (x, y, z))
     else:
         raise DataError(f"{where}: needs either m00..m33 (a 4x4 matrix, row-major) or x, y, z, yaw")
     return frame, ts, check_rigid(m, where)
 
 
-def read_poses(path: Path, scene: str) -> list[tuple[Optional[str], float, np.ndarray]]:
-    """Records of a scene's poses file: CSV with a header row, or JSON (a list of objects)."""
+def read_poses(path: Path, scene: str, yaw_unit: str = "rad",
+               yaws: Optional[list] = None) -> list[tuple[Optional[str], float, np.ndarray]]:
+    """Records of a scene's poses file: CSV with a header row, or JSON (a list of objects). The
+    yaw of x,y,z,yaw records is in `yaw_unit` (YAW_UNITS); `yaws`, when given, receives each
+    record's yaw as written (for yaw_unit_note)."""
     where0 = f"{path}: scene {scene!r}"
+    scale = YAW_UNITS[yaw_unit]
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
@@ -442,7 +451,9 @@ def read_poses(path: Path, scene: str) -> list[tuple[Optional[str], float, np.nd
         for i, r in enumerate(rows[1:], 2):
             if len(r) != len(head):
                 raise DataError(f"{where0} line {i}: {len(r)} values for {len(head)} columns")
-            out.append(_pose_row({h: v.strip() for h, v in zip(head, r)}, f"{where0} line {i}"))
+            row = {h: v.strip() for h, v in zip(head, r)}
+            out.append(_pose_row(row, f"{where0} line {i}", scale))
+            _keep_yaw(row, yaws)
     else:
         try:
             d = json.loads(text)
@@ -455,8 +466,16 @@ def read_poses(path: Path, scene: str) -> list[tuple[Optional[str], float, np.nd
         for i, r in enumerate(d):
             if not isinstance(r, dict):
                 raise DataError(f"{where0} entry {i}: expected an object, got {type(r).__name__}")
-            out.append(_pose_row({str(k).lower(): v for k, v in r.items()}, f"{where0} entry {i}"))
+            row = {str(k).lower(): v for k, v in r.items()}
+            out.append(_pose_row(row, f"{where0} entry {i}", scale))
+            _keep_yaw(row, yaws)
     return out
+
+
+def _keep_yaw(row: dict, yaws: Optional[list]) -> None:
+    """The yaw as written (a record _pose_row built from x, y, z, yaw), for yaw_unit_note."""
+    if yaws is not None and "matrix" not in row and not all(k in row for k in MATRIX_COLS) and "yaw" in row:
+        yaws.append(float(row["yaw"]))
 
 
 def _frame_files(folder: Path) -> tuple[dict[str, Path], dict[str, Path]]:
@@ -474,7 +493,8 @@ def _frame_files(folder: Path) -> tuple[dict[str, Path], dict[str, Path]]:
     return frames, masks
 
 
-def frames_scene(folder: Path, split: str, unit: str, key: Optional[str], mask_key: Optional[str]) -> SceneSpec:
+def frames_scene(folder: Path, split: str, unit: str, key: Optional[str], mask_key: Optional[str],
+                 yaw_unit: str = "rad") -> SceneSpec:
     """Plan one scene folder of own recordings (layout: tools/convert_frames.py)."""
     name = folder.name
     found = [folder / p for p in POSE_FILES if (folder / p).is_file()]
@@ -484,7 +504,8 @@ def frames_scene(folder: Path, split: str, unit: str, key: Optional[str], mask_k
         raise DataError(f"{folder}: scene {name!r} has both {POSE_FILES[0]} and {POSE_FILES[1]}; keep one")
     pf = found[0]
     frames, masks = _frame_files(folder)
-    records = read_poses(pf, name)
+    yaws: list = []
+    records = read_poses(pf, name, yaw_unit, yaws)
     named = [r[0] is not None for r in records]
     if any(named) and not all(named):
         raise DataError(f"{pf}: scene {name!r}: some rows name a frame and some do not; name all or none")
@@ -518,7 +539,11 @@ def frames_scene(folder: Path, split: str, unit: str, key: Optional[str], mask_k
     ids = [p[0] for p in pairs]
     ts = np.array([round(p[1] * scale) for p in pairs], np.int64)
     _check_times(name, ts, ids, str(pf))
-    opts = {"key": key, "mask_key": mask_key}
+    opts = {"key": key, "mask_key": mask_key, "poses": str(pf)}
+    if yaw_unit == "rad" and len(yaws) == len(records) > 1:  # x,y,z,yaw records: how their yaw looks, in time order
+        t = np.array([r[1] for r in records]) * scale / 1e6
+        o = np.argsort(t, kind="stable")
+        opts["yaw"] = yaw_stats(np.array(yaws)[o], t[o])
     if mask_key:
         npy = [s for s in ids if frames[s].suffix != ".npz"]
         if npy:
@@ -564,13 +589,15 @@ def split_scenes(names: list[str], val_scenes: Optional[Iterable[str]], val_frac
 
 
 def frames_scenes(root: str | os.PathLike, val_scenes=None, val_fraction: float = 0.1, unit: str = "s",
-                  key: Optional[str] = None, mask_key: Optional[str] = None):
+                  key: Optional[str] = None, mask_key: Optional[str] = None, yaw_unit: str = "rad"):
     """Plan a conversion of own recordings: ({split: [names]}, {name: SceneSpec}, bad)."""
     root = Path(root)
     if not root.is_dir():
         raise DataError(f"--root {root} is not a folder (expected one sub-folder per scene)")
     if unit not in TIME_UNITS:
         raise DataError(f"--time-unit {unit!r} must be one of {list(TIME_UNITS)}")
+    if yaw_unit not in YAW_UNITS:
+        raise DataError(f"--yaw-units {yaw_unit!r} must be one of {list(YAW_UNITS)}")
     folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not folders:
         raise DataError(f"{root}: no scene folders (expected {root}/<scene>/ with frames and {POSE_FILES[0]})")
@@ -579,7 +606,7 @@ def frames_scenes(root: str | os.PathLike, val_scenes=None, val_fraction: float 
     specs, bad = {}, []
     for p in folders:
         try:
-            specs[p.name] = frames_scene(p, split_of[p.name], unit, key, mask_key)
+            specs[p.name] = frames_scene(p, split_of[p.name], unit, key, mask_key, yaw_unit)
         except DataError as e:
             bad.append({"scene": p.name, "split": split_of[p.name], "error": str(e)})
     # one data set has masks everywhere or nowhere
@@ -609,9 +636,158 @@ def peek_grid(spec: SceneSpec) -> tuple[int, int, int]:
 
 
 def median_rate(specs: Iterable[SceneSpec]) -> float:
+    """Frames per second from the median timestamp step; a rate within 0.2 % of a multiple of 0.5 Hz
+    is that multiple (clock jitter makes a 10 Hz log 10.001 Hz, and horizons in seconds need the
+    nominal rate to land on whole frames)."""
     steps = np.concatenate([np.diff(s.timestamp) for s in specs] or [np.zeros(0)])
     steps = steps[steps > 0]
-    return round(1e6 / float(np.median(steps)), 3) if len(steps) else 1.0
+    if not len(steps):
+        return 1.0
+    r = 1e6 / float(np.median(steps))
+    nominal = round(2 * r) / 2
+    return nominal if nominal > 0 and abs(r - nominal) <= 0.002 * nominal else round(r, 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# own recordings: checks of timing and geometry, fitting the grid to the model (--crop / --pad)
+
+# The tokenizer downsamples X and Y twice by 2 (wm.config.DataConfig refuses other grids).
+GRID_MULTIPLE = 4
+UNIT_NAMES = ("seconds", "milliseconds", "microseconds", "nanoseconds")  # TIME_UNITS order, x1000 apart
+# A yaw rate no ground vehicle reaches (rad/s); yaw written in degrees but read as radians turns
+# 57x faster than it should (a 3 deg/s turn reads as 3 rad/s).
+MAX_YAW_RATE = 2.0
+
+
+def check_range(grid, voxel, rng, where: str) -> None:
+    """`range` must span grid x voxel size on every axis (to 0.1 % of a voxel), else one line."""
+    span = [rng[i + 3] - rng[i] for i in range(3)]
+    want = [g * v for g, v in zip(grid, voxel)]
+    if any(abs(a - b) > 1e-3 * v for a, b, v in zip(span, want, voxel)):
+        raise DataError(f"{where}: range {[float(r) for r in rng]} spans {' x '.join(f'{a:g}' for a in span)} m, "
+                        f"but the grid {' x '.join(map(str, grid))} of {' x '.join(f'{v:g}' for v in voxel)} m voxels "
+                        f"spans {' x '.join(f'{b:g}' for b in want)} m; correct range or voxel_size (or leave range "
+                        "out: it defaults to the grid centred on the ego)")
+
+
+def grid_note(grid, multiple: int = GRID_MULTIPLE) -> Optional[str]:
+    """A warning when X or Y is not a multiple of `multiple` (training would refuse the grid)."""
+    bad = [f"{a}={n}" for a, n in zip("XY", grid[:2]) if n % multiple]
+    if not bad:
+        return None
+    down = [n // multiple * multiple for n in grid[:2]]
+    up = [-(-n // multiple) * multiple for n in grid[:2]]
+    z = grid[2]
+    return (f"grid {' x '.join(map(str, grid))}: {' and '.join(bad)} not a multiple of {multiple}, which training "
+            f"refuses (the tokenizer halves X and Y twice); convert with --crop ({down[0]} x {down[1]} x {z}) "
+            f"or --pad ({up[0]} x {up[1]} x {z})")
+
+
+def plan_fit(grid, voxel, rng, mode: str, size=None, multiple: int = GRID_MULTIPLE, align: str = "ego") -> dict:
+    """How --crop / --pad change X and Y: {"src": grid, "start": [sx, sy], "grid": new grid,
+    "range": new range}. New cell i of an axis is source cell i + start (start < 0: padding).
+
+    size: the new (X, Y), else the nearest multiple of `multiple` below (crop) or above (pad).
+    align: "ego" (default) keeps the ego (the origin of the ego frame, located through `range`) as
+    near the middle of the new grid as the source allows; "centre" the grid's middle; "low" / "high"
+    keep the low / high edge of each axis."""
+    if mode not in ("crop", "pad"):
+        raise ValueError(mode)
+    new_xy = list(size) if size else [(n // multiple * multiple if mode == "crop" else -(-n // multiple) * multiple)
+                                      for n in grid[:2]]
+    start = []
+    for ax in range(2):
+        n, m = int(grid[ax]), int(new_xy[ax])
+        if m < 1 or (mode == "crop" and m > n) or (mode == "pad" and m < n):
+            raise DataError(f"--{mode} {new_xy[0]} {new_xy[1]}: the grid is {grid[0]} x {grid[1]}; --{mode} must "
+                            f"{'shrink' if mode == 'crop' else 'grow'} X and Y (or keep them)")
+        if align == "low":
+            centre = m / 2
+        elif align == "high":
+            centre = n - m / 2
+        elif align == "centre":
+            centre = n / 2
+        else:  # the ego's cell: the ego frame's origin, where range puts it (the middle if outside)
+            e = -rng[ax] / voxel[ax]
+            centre = e if 0 <= e <= n else n / 2
+        lo, hi = (0, n - m) if mode == "crop" else (n - m, 0)
+        start.append(int(min(hi, max(lo, math.floor(centre - m / 2 + 0.5)))))
+    out = [int(new_xy[0]), int(new_xy[1]), int(grid[2])]
+    new_rng = [rng[0] + start[0] * voxel[0], rng[1] + start[1] * voxel[1], rng[2],
+               rng[0] + (start[0] + out[0]) * voxel[0], rng[1] + (start[1] + out[1]) * voxel[1], rng[5]]
+    return {"src": [int(g) for g in grid], "start": start, "grid": out, "range": [round(v, 9) for v in new_rng]}
+
+
+def reframe(a: np.ndarray, fit: Optional[dict], fill: int, path: Path, where: str) -> np.ndarray:
+    """A source frame (or mask) cut / padded to the planned grid (plan_fit); `fill` where padded."""
+    if not fit:
+        return a
+    if tuple(a.shape) != tuple(fit["src"]):
+        raise DataError(f"{path}: {where}: grid of shape {tuple(a.shape)}, expected {tuple(fit['src'])} "
+                        f"(before --crop/--pad)")
+    out = np.full(tuple(fit["grid"]), fill, a.dtype)
+    src, dst = [], []
+    for ax in range(2):
+        s0, n, m = fit["start"][ax], a.shape[ax], fit["grid"][ax]
+        lo, hi = max(0, s0), min(n, s0 + m)  # source cells that land inside the new grid
+        src.append(slice(lo, hi))
+        dst.append(slice(lo - s0, hi - s0))
+    out[dst[0], dst[1]] = a[src[0], src[1]]
+    return out
+
+
+def yaw_stats(yaw: np.ndarray, t_s: np.ndarray) -> dict:
+    """What a scene's yaw column looks like, read as radians: the largest |yaw| and the largest
+    frame-to-frame turn rate (wrapped to (-pi, pi], so a legitimate wrap is no turn)."""
+    step = np.angle(np.exp(1j * np.diff(yaw)))
+    dt = np.maximum(np.diff(t_s), 1e-9)
+    return {"max_abs": float(np.abs(yaw).max()), "max_rate": float((np.abs(step) / dt).max())}
+
+
+def yaw_unit_note(specs: Iterable[SceneSpec]) -> Optional[str]:
+    """A warning when the yaw of x,y,z,yaw poses looks like degrees: some |yaw| beyond 2 pi (no
+    heading in radians needs it) or a turn faster than MAX_YAW_RATE rad/s."""
+    odd = [(s.name, s.opts["yaw"]) for s in specs if "yaw" in s.opts and
+           (s.opts["yaw"]["max_abs"] > 2 * math.pi + 1e-6 or s.opts["yaw"]["max_rate"] > MAX_YAW_RATE)]
+    if not odd:
+        return None
+    name, st = odd[0]
+    total = sum(1 for s in specs if "yaw" in s.opts)
+    return (f"yaw looks like degrees in {len(odd)} of {total} scenes ({name}: |yaw| up to {st['max_abs']:.3g}, "
+            f"turning up to {st['max_rate']:.3g} rad/s read as radians); if so, convert with --yaw-units deg")
+
+
+def ratio_words(r: float) -> str:
+    return f"x{r:.0f}" if r >= 1 else f"x1/{1 / r:.0f}"
+
+
+def time_unit_outliers(specs: dict, unit: str = "s") -> list[dict]:
+    """Scenes whose median frame interval differs from the other scenes' by x1000 or more (a drive
+    written in milliseconds among drives in seconds): [{"scene", "split", "error"}]. The reference
+    is the interval most scenes agree on (within x10), ties going to the rate nearest 10 Hz."""
+    med = {n: float(np.median(np.diff(s.timestamp))) for n, s in specs.items() if len(s.timestamp) > 1}
+    if len(med) < 2:
+        return []
+    lg = {n: math.log10(v) for n, v in med.items()}
+    support = {n: [m for m in lg if abs(lg[m] - lg[n]) < 1] for n in lg}
+    ref_name = max(lg, key=lambda n: (len(support[n]), -abs(6 - lg[n] - 1)))
+    ref = float(np.median([med[m] for m in support[ref_name]]))
+    names = list(TIME_UNITS)
+    out = []
+    for n, v in med.items():
+        r = math.log10(v / ref)
+        if abs(r) < 2.5:
+            continue
+        k = round(r / 3)
+        i = names.index(unit) + k
+        guess = (f": its timestamps look like {UNIT_NAMES[i]} where the others are in {UNIT_NAMES[names.index(unit)]}"
+                 if abs(r - 3 * k) < 0.5 and 0 <= i < len(names) else "")
+        s = specs[n]
+        out.append({"scene": n, "split": s.split,
+                    "error": f"{s.opts.get('poses', n)}: scene {n!r}: median frame interval {v / 1e6:.6g} s, "
+                             f"{ratio_words(v / ref)} the other scenes' {ref / 1e6:.6g} s{guess}; write every scene's "
+                             f"timestamps in one unit (--time-unit {unit} reads them all as {UNIT_NAMES[names.index(unit)]})"})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
