@@ -413,9 +413,9 @@ def check_stride(plan: list, cfg: Config, frame_rate_hz: float) -> None:
     for s, p, st in plan:
         trained = ((st.get("config") or {}).get("data") or {}).get("stride")
         if s == "world" and trained is not None and trained != cfg.data.stride:
-            raise WMError(f"{p} was trained with data.stride={trained} (one forecast step = {trained / frame_rate_hz:g} s "
-                          f"at {frame_rate_hz:g} Hz) but the config has data.stride={cfg.data.stride}; evaluate with "
-                          f"--set data.stride={trained}")
+            step = f" (one forecast step = {trained / frame_rate_hz:g} s at {frame_rate_hz:g} Hz)" if frame_rate_hz > 0 else ""
+            raise WMError(f"{p} was trained with data.stride={trained}{step} but the config has "
+                          f"data.stride={cfg.data.stride}; evaluate with --set data.stride={trained}")
 
 
 def _data_root(cfg: Config, d: D.Dist, say) -> Path:
