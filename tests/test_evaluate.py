@@ -498,3 +498,13 @@ def test_eval_at_another_stride_than_training_is_refused_with_the_value(ev, caps
     with pytest.raises(WMError, match=r"was trained with data\.stride=1 \(one forecast step = 0\.5 s at 2 Hz\) "
                                       r"but the config has data\.stride=2; evaluate with --set data\.stride=1"):
         T.main(ev.args(data__stride=2))
+
+
+def test_a_horizon_the_model_cannot_reach_by_more_frames_says_to_train_at_a_larger_stride():
+    # 10 Hz, stride 1, a model of max_frames 16 with 5 past frames: 3 s needs 30 future frames, 12 fit
+    with pytest.raises(WMError, match=r"need data\.future >= 30; this model takes data\.future <= 12 "
+                                      r"\(world\.max_frames\), so those horizons need a model trained at a "
+                                      r"larger data\.stride"):
+        E.horizon_steps((1, 2, 3), 10, 1, 6, longest=12)
+    with pytest.raises(WMError, match=r"evaluate with --set data\.future=30"):
+        E.horizon_steps((1, 2, 3), 10, 1, 6, longest=40)

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
-from wm.convert import time_unit_outliers, frames_scenes, plan_fit
+from wm.convert import TIME_UNITS, frames_scenes
+from wm.recording_checks import UNITS, plan_fit, time_unit_outliers
 from wm.shards import Shard, load_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,6 +171,7 @@ def test_time_unit_reference_is_the_plausible_rate_between_two_drives(tmp_path):
     out = time_unit_outliers(specs, "s")
     assert [o["scene"] for o in out] == ["a"] and "microseconds" in out[0]["error"]
     assert time_unit_outliers({"b": specs["b"]}, "s") == []
+    assert list(UNITS) == list(TIME_UNITS)  # the same units in the same order
 
 
 def test_yaw_in_degrees_warns_and_yaw_units_deg_reads_it(tmp_path):

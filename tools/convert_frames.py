@@ -65,9 +65,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wm.convert import (GRID_MULTIPLE, TIME_UNITS, VISIBLE_BITS, YAW_UNITS, add_writer_args,  # noqa: E402
-                        check_range, convert_and_report, frames_scenes, grid_note, median_rate, peek_grid, plan_fit,
-                        time_unit_outliers, yaw_unit_note)
+from wm.convert import (TIME_UNITS, VISIBLE_BITS, YAW_UNITS, add_writer_args, convert_and_report,  # noqa: E402
+                        frames_scenes, median_rate, peek_grid)
+from wm.recording_checks import (GRID_MULTIPLE, check_range, grid_note, plan_fit, time_unit_outliers,  # noqa: E402
+                                 yaw_unit_note)
 from wm.errors import DataError, run_cli  # noqa: E402
 from wm.shards import DatasetInfo  # noqa: E402
 from wm.viz import parse_colors  # noqa: E402

@@ -191,8 +191,10 @@ def horizon_label(h: float) -> str:
     return f"{h:g}s"
 
 
-def horizon_steps(horizons: Sequence[float], frame_rate_hz: float, stride: int, future: int) -> list[int]:
-    """0-based future-step indices of `horizons` (seconds after the last past frame).
+def horizon_steps(horizons: Sequence[float], frame_rate_hz: float, stride: int, future: int,
+                  longest: Optional[int] = None) -> list[int]:
+    """0-based future-step indices of `horizons` (seconds after the last past frame). `longest`: the
+    most future frames the model's config admits (world.max_frames + 1 - data.past), if known.
 
     Future step k (1-based) lies k * stride / frame_rate_hz seconds ahead. A horizon between two
     steps, or beyond the `future` steps the windows hold, raises WMError naming what would reach it.
@@ -217,10 +219,13 @@ def horizon_steps(horizons: Sequence[float], frame_rate_hz: float, stride: int, 
     if short:
         need = max(k for _, k in short)
         reach = future * dt
+        fix = f"evaluate with --set data.future={need} (the windows may differ from training)"
+        if longest is not None and need > longest:  # that would be refused by world.max_frames: say so now
+            fix = (f"this model takes data.future <= {longest} (world.max_frames), so those horizons need a model "
+                   f"trained at a larger data.stride (one step = stride / {frame_rate_hz:g} Hz)")
         raise WMError(f"eval horizon too short: data.future={future} at {frame_rate_hz:g} Hz, stride {stride} "
                       f"reaches {reach:g} s, but {', '.join(f'{h:g} s' for h, _ in short)} "
-                      f"need{'s' if len(short) == 1 else ''} data.future >= {need}; evaluate with "
-                      f"--set data.future={need} (the windows may differ from training) or ask for "
+                      f"need{'s' if len(short) == 1 else ''} data.future >= {need}; {fix} or ask for "
                       f"--horizons up to {reach:g} s")
     if len(set(steps)) != len(steps):
         raise WMError(f"--horizons {','.join(horizon_label(h) for h in horizons)} name a future step twice")
@@ -558,7 +563,8 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
         check_stride(plan, cfg, info.frame_rate_hz)
         if not asked:
             horizons, why = default_horizons(info.frame_rate_hz, cfg.data.stride, cfg.data.future)
-        steps = horizon_steps(horizons, info.frame_rate_hz, cfg.data.stride, cfg.data.future)
+        steps = horizon_steps(horizons, info.frame_rate_hz, cfg.data.stride, cfg.data.future,
+                              longest=cfg.world.max_frames + 1 - cfg.data.past)
     for s, p, st in plan:
         fp = st.get("data_fingerprint")
         if fp and fp != manifest.fingerprint:
