@@ -48,22 +48,22 @@ def read_png(path: Path) -> np.ndarray:
 
 def test_inspect_summary_verify_and_pictures(data, tmp_path):
     p = run("tools/inspect_data.py", str(data), "--verify", "--png", str(tmp_path), "--window", "2",
-            "--past", "3", "--future", "2", "--scale", "1")
+            "--past", "3", "--future", "2")
     assert "32 x 32 x 4" in p.stdout and "verify: 3/3 shards match" in p.stdout
     lines = {ln.split()[0]: ln.split() for ln in p.stdout.splitlines() if ln.startswith(("train ", "val "))}
     assert lines["train"][1:5] == ["2", "hdf5,memmap", "3", "42"] and lines["val"][3:5] == ["1", "14"]
     assert "driveable_surface" in p.stdout
     frame = read_png(tmp_path / "frame.png")
-    assert frame.shape == (32, 32, 3)
+    assert frame.shape[1] == 256 and frame.shape[0] > 256  # 32 voxels x 8 px, the legend under it
     window = read_png(tmp_path / "window.png")
-    assert window.shape[0] == 32 and window.shape[1] > 5 * 32  # 5 panels and the past|future gap
-    # the picture is the window's last past frame, in the Occ3D colours
+    assert window.shape[1] > 5 * 256  # 5 panels and the past|future gap
+    # the picture is the window's last past frame, in the Occ3D colours, 8 px per voxel
     from wm.config import DataConfig
     from wm.data import OccWindows
     from wm.viz import bev
 
     ds = OccWindows(data, "train", DataConfig(grid=(32, 32, 4), past=3, future=2))
-    assert np.array_equal(frame, bev(ds[2]["occ"][2].numpy(), 18, 17))
+    assert np.array_equal(frame[:256], bev(ds[2]["occ"][2].numpy(), 18, 17).repeat(8, 0).repeat(8, 1))
 
 
 def test_verify_names_a_corrupt_shard_and_exits_1(data, tmp_path):

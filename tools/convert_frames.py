@@ -21,7 +21,7 @@ Frames are stored in timestamp order.
 
 poses.csv: a header row naming the columns, then one row per frame; '#' lines are comments.
     timestamp,frame,m00,m01,m02,m03,m10,...,m33    4x4 ego->global matrix, row-major (16 numbers)
-    timestamp,frame,x,y,z,yaw                      position in metres, yaw in radians about +z
+    timestamp,frame,x,y,z,yaw                      position in metres, yaw in radians about +z (--yaw-units deg)
   ('frame' is optional.)
 poses.json: a list of objects (or {"poses": [...]}), each
     {"timestamp": 12.5, "frame": "000025", "matrix": [[...4 rows...]] or 16 numbers}  or
@@ -32,10 +32,23 @@ A matrix must be a rigid transform: rotation orthonormal (|R^T R - I| <= 1e-3), 
 
 Classes: --classes a,b,c --free c (name or id), or --classes-json FILE:
     {"class_names": ["road", "car", "building", "free"], "free_class": "free",
-     "voxel_size": [0.4, 0.4, 0.4], "range": [-40, -40, -1, 40, 40, 5.4], "frame_rate_hz": 10}
-(voxel_size, range, frame_rate_hz optional; --voxel-size/--range/--frame-rate override. Defaults:
-0.4 m voxels, a range centred on the ego in x/y from z = -1 m, the frame rate from the median
-timestamp step.)
+     "voxel_size": [0.4, 0.4, 0.4], "range": [-40, -40, -1, 40, 40, 5.4], "frame_rate_hz": 10,
+     "colors": {"car": [0, 150, 245], "building": "#e6e6fa"}}
+(voxel_size, range, frame_rate_hz, colors optional; --voxel-size/--range/--frame-rate override.
+Defaults: 0.4 m voxels, a range centred on the ego in x/y from z = -1 m, the frame rate from the
+median timestamp step (snapped to a multiple of 0.5 Hz within 0.2 %: clock jitter). range must span
+grid x voxel_size. colors: the pictures' colour of some or
+all classes (a {name: colour} object or a list in class order; [r, g, b] or "#rrggbb"); the others
+get Occ3D's colour where the name is an Occ3D class name, else a distinct one.)
+
+Grid: training needs X and Y divisible by 4 (a warning says so at conversion). --crop cuts X and Y
+down to the nearest multiple of 4 (or to --crop X Y), --pad grows them with free, not-visible
+voxels (or to --pad X Y); both keep the ego near the middle (--align ego, the default; centre, low,
+high) and move the manifest's range with the cut.
+
+Checks: a scene whose median frame interval differs from the others' by x1000 or more (one drive
+in milliseconds among drives in seconds) is refused, naming it; a yaw that looks like degrees (some
+|yaw| beyond 2 pi, or turns faster than 2 rad/s when read as radians) is a warning: --yaw-units deg.
 
 Split: --val-scenes a,b names the validation scenes; otherwise --val-fraction (default 0.1) of the
 scenes, chosen deterministically (ranked by the sha256 of their names; at least one).
@@ -52,12 +65,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wm.convert import (TIME_UNITS, VISIBLE_BITS, add_writer_args, convert_and_report, frames_scenes,  # noqa: E402
-                        median_rate, peek_grid)
+from wm.convert import (TIME_UNITS, VISIBLE_BITS, YAW_UNITS, add_writer_args, convert_and_report,  # noqa: E402
+                        frames_scenes, median_rate, peek_grid)
+from wm.recording_checks import (GRID_MULTIPLE, check_range, grid_note, plan_fit, time_unit_outliers,  # noqa: E402
+                                 yaw_unit_note)
 from wm.errors import DataError, run_cli  # noqa: E402
 from wm.shards import DatasetInfo  # noqa: E402
+from wm.viz import parse_colors  # noqa: E402
 
-CLASS_KEYS = ("class_names", "free_class", "voxel_size", "range", "frame_rate_hz")
+CLASS_KEYS = ("class_names", "free_class", "voxel_size", "range", "frame_rate_hz", "colors")
 
 
 def classes_from_args(a) -> dict:
@@ -105,6 +121,8 @@ def classes_from_args(a) -> dict:
     for k in ("voxel_size", "range", "frame_rate_hz"):
         if k in d:
             out[k] = d[k]
+    if "colors" in d:
+        out["colors"] = parse_colors(d["colors"], names, f"{where}: colors")
     return out
 
 
@@ -123,6 +141,14 @@ def main(argv=None) -> int:
     ap.add_argument("--voxel-size", type=float, nargs="+", metavar="M", help="voxel size in metres (1 or 3 numbers)")
     ap.add_argument("--range", type=float, nargs=6, metavar="V", help="xmin ymin zmin xmax ymax zmax in metres")
     ap.add_argument("--frame-rate", type=float, help="frames per second (default: from the timestamps)")
+    ap.add_argument("--yaw-units", choices=list(YAW_UNITS), default="rad", help="unit of the poses' yaw column")
+    fit = ap.add_mutually_exclusive_group()
+    fit.add_argument("--crop", type=int, nargs="*", metavar="N",
+                     help=f"cut X and Y to multiples of {GRID_MULTIPLE} (or to --crop X Y)")
+    fit.add_argument("--pad", type=int, nargs="*", metavar="N",
+                     help=f"grow X and Y to multiples of {GRID_MULTIPLE} with free voxels (or to --pad X Y)")
+    ap.add_argument("--align", choices=["ego", "centre", "low", "high"], default="ego",
+                    help="where --crop/--pad keep the grid: around the ego (default), the middle, or an edge")
     ap.add_argument("--val-scenes", help="comma-separated validation scene names")
     ap.add_argument("--val-fraction", type=float, default=0.1, help="share of scenes for validation (default 0.1)")
     add_writer_args(ap)
@@ -130,7 +156,10 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     cls = classes_from_args(a)
     val = [v.strip() for v in a.val_scenes.split(",") if v.strip()] if a.val_scenes else None
-    order, specs, bad = frames_scenes(a.root, val, a.val_fraction, a.time_unit, a.key, a.mask_key)
+    order, specs, bad = frames_scenes(a.root, val, a.val_fraction, a.time_unit, a.key, a.mask_key, a.yaw_units)
+    for b in time_unit_outliers(specs, a.time_unit):  # refused (or skipped with --skip-bad) like any bad scene
+        specs.pop(b["scene"])
+        bad.append(b)
     if a.grid:
         grid = tuple(a.grid)
     elif specs:
@@ -145,16 +174,34 @@ def main(argv=None) -> int:
         raise DataError(f"voxel size {voxel} must be 1 or 3 numbers")
     rng = a.range or cls.get("range") or [-grid[0] * voxel[0] / 2, -grid[1] * voxel[1] / 2, -1.0,
                                           grid[0] * voxel[0] / 2, grid[1] * voxel[1] / 2, -1.0 + grid[2] * voxel[2]]
+    if len(rng) != 6:
+        raise DataError(f"range {list(rng)} must be 6 numbers")
+    check_range(grid, voxel, rng, "--range" if a.range else f"{a.classes_json}" if "range" in cls else "range")
+    fit = None
+    for mode in ("crop", "pad"):
+        size = getattr(a, mode)
+        if size is not None:
+            if len(size) not in (0, 2):
+                raise DataError(f"--{mode} takes no sizes (the nearest multiple of {GRID_MULTIPLE}) or two: X Y")
+            fit = plan_fit(grid, voxel, rng, mode, size or None, GRID_MULTIPLE, a.align)
+    if fit:
+        for spec in specs.values():
+            spec.opts["reframe"] = fit
+        print(f"--{'crop' if a.crop is not None else 'pad'}: grid {' x '.join(map(str, grid))} -> "
+              f"{' x '.join(map(str, fit['grid']))} (first new cell = source cell {fit['start'][0]}, "
+              f"{fit['start'][1]}), range {fit['range']}")
+        grid, rng = tuple(fit["grid"]), fit["range"]
+    for note in (grid_note(grid), yaw_unit_note(specs.values())):
+        if note:
+            print(f"warning: {note}")
     rate = a.frame_rate or cls.get("frame_rate_hz") or median_rate(specs.values())
     has_mask = any(s.opts["has_mask"] for s in specs.values())
     try:
         info = DatasetInfo(grid=grid, num_classes=len(cls["class_names"]), free_class=cls["free_class"],
                            class_names=cls["class_names"], voxel_size=voxel, range=rng, frame_rate_hz=float(rate),
-                           has_mask=has_mask)
+                           has_mask=has_mask, class_colors=cls.get("colors") or {})
     except (TypeError, ValueError) as e:
         raise DataError(f"classes / voxel size / range: {e}") from None
-    if len(info.range) != 6:
-        raise DataError(f"range {list(info.range)} must be 6 numbers")
     options = {"source": str(Path(a.root).resolve()), "format": a.format,
                "compression": a.compression if a.format == "hdf5" else "none",
                "scenes_per_shard": a.scenes_per_shard, "grid": list(info.grid),
@@ -162,6 +209,11 @@ def main(argv=None) -> int:
                "voxel_size": list(info.voxel_size), "range": list(info.range),
                "frame_rate_hz": info.frame_rate_hz, "key": a.key, "mask_key": a.mask_key,
                "time_unit": a.time_unit, "splits": {k: v for k, v in order.items()}}
+    # recorded only when used, so data sets converted before these options existed still resume
+    for k, v in (("yaw_units", a.yaw_units if a.yaw_units != "rad" else None), ("fit", fit),
+                 ("class_colors", dict(info.class_colors) or None)):
+        if v is not None:
+            options[k] = v
     bits = VISIBLE_BITS if has_mask else {}
     record = {"tool": "convert_frames", "options": options, "mask_bits": bits,
               "mask_convention": "uint8: bit 0 (1) = visible" if has_mask else "no masks"}

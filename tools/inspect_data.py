@@ -5,8 +5,11 @@
     python tools/inspect_data.py DATA --png out/           # + out/frame.png and out/window.png
     python tools/inspect_data.py DATA --png out/ --split val --window 12 --past 5 --future 6
 
-The pictures are top-down: each (x, y) column shows the class of its highest occupied voxel in
-the Occ3D colours (x forward to the right, y to the left upwards); white is free. The window
+The pictures are top-down: each (x, y) column shows the class of its highest occupied voxel (x
+forward to the right, y to the left upwards); white is free. Colours follow the class names: Occ3D's
+colours for Occ3D's names, the data set's own class_colors (classes.json "colors" at conversion)
+where given, distinct colours for the rest; a legend under every picture names them. Frames are
+enlarged (nearest neighbour) to at least 256 px wide unless --scale says otherwise. The window
 picture shows past frames, a gap, then the future frames.
 """
 
@@ -22,7 +25,7 @@ from wm.config import DataConfig  # noqa: E402
 from wm.data import OccWindows  # noqa: E402
 from wm.errors import DataError, run_cli  # noqa: E402
 from wm.shards import MANIFEST, Shard, load_manifest, verify  # noqa: E402
-from wm.viz import bev, palette, tile, write_png  # noqa: E402
+from wm.viz import class_palette, figure, write_png  # noqa: E402
 
 
 def class_histogram(shards: list[Shard], num_classes: int, sample: int) -> tuple[np.ndarray, int]:
@@ -51,7 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--past", type=int, default=5)
     ap.add_argument("--future", type=int, default=6)
     ap.add_argument("--stride", type=int, default=1)
-    ap.add_argument("--scale", type=int, default=0, help="pixels per voxel (0: automatic)")
+    ap.add_argument("--scale", type=int, default=0, help="pixels per voxel (0: a frame at least 256 px wide)")
     a = ap.parse_args(argv)
 
     m = load_manifest(a.root)
@@ -83,7 +86,7 @@ def main(argv=None) -> int:
     hist, n = class_histogram(all_shards, info.num_classes, a.sample)
     frac = hist / max(1, hist.sum())
     print(f"class histogram over {n} frames (free fraction {frac[info.free_class]:.3f}):")
-    pal = palette(info.num_classes, info.free_class)
+    pal = class_palette(info.class_names, info.free_class, info.class_colors)
     for c in np.argsort(-hist):
         if hist[c]:
             print(f"  {c:>3} {info.class_names[c]:<22}{frac[c] * 100:>8.3f} %   rgb{tuple(int(v) for v in pal[c])}")
@@ -105,11 +108,10 @@ def main(argv=None) -> int:
         if not 0 <= a.window < len(ds):
             raise DataError(f"--window {a.window}: split {a.split!r} has {len(ds)} windows")
         occ = ds[a.window]["occ"].numpy()
-        scale = a.scale or max(1, 400 // max(info.grid[:2]))
-        pics = [bev(f, info.num_classes, info.free_class) for f in occ]
-        write_png(out / "frame.png", tile([pics[a.past - 1]], scale=scale))
-        gap = np.full((pics[0].shape[0], max(2, pics[0].shape[1] // 8), 3), 128, np.uint8)
-        write_png(out / "window.png", tile(pics[:a.past] + [gap] + pics[a.past:], scale=scale))
+        names, free, colors = info.class_names, info.free_class, info.class_colors
+        write_png(out / "frame.png", figure([[occ[a.past - 1]]], names, free, colors, scale=a.scale))
+        write_png(out / "window.png", figure([list(occ[:a.past]) + [None] + list(occ[a.past:])], names, free,
+                                             colors, titles=[f"{a.past} past | {a.future} future"], scale=a.scale))
         sh, first, _ = ds.locate(a.window)
         print(f"wrote {out / 'frame.png'} (last past frame) and {out / 'window.png'} "
               f"({a.past} past | {a.future} future) of window {a.window}: {sh.path.name} frames "

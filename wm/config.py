@@ -36,8 +36,8 @@ META_KEY = "meta"  # written by wm beside the sections (fingerprint, versions); 
 @dataclass
 class RunConfig:
     name: str = "demo"  # the run folder is <out_dir>/<name>
-    out_dir: str = "runs"
-    seed: int = 0
+    out_dir: str = "runs"  # folder of run folders
+    seed: int = 0  # initial weights, data order and every RNG stream follow from it
 
     def validate(self) -> None:
         if not self.name or "/" in self.name or self.name in (".", ".."):
@@ -48,35 +48,35 @@ class RunConfig:
 class DataConfig:
     # A data set is a folder with manifest.json (wm/shards.py). Empty: the built-in synthetic
     # scenes (section `synthetic`), generated once into a cache folder.
-    root: str = ""
-    train_split: str = "train"
-    val_split: str = "val"
+    root: str = ""  # data set folder (manifest.json + shards); empty: the built-in synthetic scenes
+    train_split: str = "train"  # split the stages train on
+    val_split: str = "val"  # split validation and --eval-only score
     # What the data must be; checked against the manifest before anything trains, so a
     # class-count or grid mismatch is found in the first second, not after hours.
-    grid: tuple[int, ...] = (64, 64, 8)
-    num_classes: int = 18
-    free_class: int = 17
+    grid: tuple[int, ...] = (64, 64, 8)  # voxels [X, Y, Z] of every frame; X and Y divisible by 4
+    num_classes: int = 18  # class ids 0..num_classes-1, the free class included
+    free_class: int = 17  # id of empty space (not in mIoU)
     # Windows: `past` frames in, `future` frames to forecast, every `stride`-th frame of a scene;
     # a window starts at every `window_step`-th frame.
-    past: int = 5
-    future: int = 6
-    stride: int = 1
-    window_step: int = 1
+    past: int = 5  # frames the model sees
+    future: int = 6  # frames it forecasts (evaluation horizons must lie within future x stride / frame rate)
+    stride: int = 1  # take every stride-th frame: one model step = stride / frame_rate_hz seconds
+    window_step: int = 1  # a window starts at every window_step-th frame of a scene
     use_mask: bool = False  # return the visibility mask (the manifest must have one)
     # Which bits of the uint8 mask mean "visible": 0 = any nonzero value. tools/convert_occ3d.py
     # stores Occ3D's two masks as bits (camera = 1, lidar = 2; see the manifest's mask_bits), so
     # mask_bits=1 scores / trains on the camera mask, 2 on the lidar mask.
-    mask_bits: int = 0
+    mask_bits: int = 0  # bits of the mask that mean visible (0: any nonzero; Occ3D camera 1, lidar 2)
     max_windows: int = 0  # >0: use only this many windows (evenly spread) per split, for smoke runs
     # Loader. batch_size is per rank.
-    batch_size: int = 8
-    num_workers: int = 2
-    prefetch_factor: int = 4
-    pin_memory: bool = True
-    persistent_workers: bool = True
+    batch_size: int = 8  # samples per rank and micro-step of both stages, unless <stage>_stage.batch_size is set
+    num_workers: int = 2  # DataLoader worker processes per rank
+    prefetch_factor: int = 4  # batches each worker loads ahead
+    pin_memory: bool = True  # page-locked host batches (faster copies to a GPU)
+    persistent_workers: bool = True  # keep the workers between epochs
     # HDF5 chunk cache per open dataset, per worker. One chunk is one frame, and random windows
     # never re-read a frame, so a large cache only costs memory (it grows per worker).
-    h5_cache_mib: float = 1.0
+    h5_cache_mib: float = 1.0  # HDF5 chunk cache per open dataset and worker, MiB
 
     @property
     def window(self) -> int:
@@ -95,7 +95,8 @@ class DataConfig:
             raise ConfigError("grid", f"{list(self.grid)} must be three positive sizes [X, Y, Z]")
         if self.grid[0] % 4 or self.grid[1] % 4:
             raise ConfigError("grid", f"{list(self.grid)}: X and Y must be divisible by 4 "
-                              "(the tokenizer downsamples twice by 2)")
+                              "(the tokenizer downsamples twice by 2); convert the data with "
+                              "tools/convert_frames.py --crop or --pad")
         if not 2 <= self.num_classes <= 256:
             raise ConfigError("num_classes", f"{self.num_classes} must be in [2, 256] (labels are uint8)")
         if not 0 <= self.free_class < self.num_classes:
@@ -117,15 +118,15 @@ class DataConfig:
 class SyntheticConfig:
     """The built-in procedural driving scenes (wm/synthetic.py), used when data.root is empty."""
 
-    train_scenes: int = 24
-    val_scenes: int = 6
+    train_scenes: int = 24  # scenes generated for the train split
+    val_scenes: int = 6  # scenes generated for the val split
     frames: int = 40  # per scene (nuScenes scenes have ~40 at 2 Hz)
-    seed: int = 0
+    seed: int = 0  # the scenes follow from it
     format: str = "hdf5"  # hdf5 | memmap
     compression: str = "zstd3"  # HDF5 only: see wm.shards.COMPRESSIONS (zstd needs hdf5plugin)
-    with_mask: bool = True
+    with_mask: bool = True  # write sensor-style visibility masks
     # Generated once, into <cache_dir>/<hash of these settings>. Empty: $WM_CACHE or ~/.cache/wm.
-    cache_dir: str = ""
+    cache_dir: str = ""  # where generated sets are kept (empty: $WM_CACHE or ~/.cache/wm)
 
     def validate(self) -> None:
         from wm.shards import COMPRESSIONS, KINDS
@@ -165,7 +166,7 @@ class TrainConfig:
     # gradients are averaged in bf16, then used in fp32 as before).
     ddp_bucket_mib: float = 100.0  # measured: 2 H200s, world model 1.85x at 25 (DDP's default), 1.94x at 100
     ddp_grad_dtype: str = "fp32"  # fp32 | bf16
-    tensorboard: bool = True
+    tensorboard: bool = True  # write TensorBoard logs into <run>/tb
     images: bool = True  # BEV pictures of ground truth vs forecast at each validation
     peak_tflops: float = 0.0  # the device's matrix peak, for MFU (0: MFU not reported)
     forecast_motion: str = "given"  # evaluation rollouts: "given" future ego motion, or "predicted"
@@ -201,19 +202,19 @@ class TrainConfig:
 class StageConfig:
     """Optimisation of one stage (AdamW, linear warm-up then cosine to min_lr)."""
 
-    epochs: int = 10
+    epochs: int = 10  # passes over the training samples (unless max_steps is set)
     max_steps: int = 0  # >0: stop after this many optimizer steps (smoke runs), else epochs decide
-    batch_size: int = 0  # per rank and micro-step; 0: data.batch_size
+    batch_size: int = 0  # per rank and micro-step; 0: data.batch_size (the log says which applies)
     grad_accum: int = 1  # micro-steps per optimizer step
-    lr: float = 1e-3
-    min_lr: float = 1e-6
-    warmup_steps: int = 50
-    weight_decay: float = 0.01
-    betas: tuple[float, ...] = (0.9, 0.95)
+    lr: float = 1e-3  # peak AdamW learning rate
+    min_lr: float = 1e-6  # where the cosine schedule ends
+    warmup_steps: int = 50  # linear warm-up from 0 to lr
+    weight_decay: float = 0.01  # AdamW weight decay on matrices and kernels
+    betas: tuple[float, ...] = (0.9, 0.95)  # AdamW betas
     clip: float = 35.0  # gradient-norm clip (0: off; the norm is still logged)
     eval_every: int = 0  # optimizer steps between validations (0: at each epoch end)
-    best_metric: str = "val/miou"  # checkpoint kept as best by this validation metric...
-    best_mode: str = "max"  # ...higher (max) or lower (min) is better
+    best_metric: str = "val/miou"  # the validation metric that picks best.pt (see best_mode)
+    best_mode: str = "max"  # max: higher best_metric is better; min: lower is better
     early_stop: int = 0  # stop after this many validations without improvement (0: never)
 
     def validate(self) -> None:
@@ -241,12 +242,13 @@ class StageConfig:
 
 # The defaults are the demo (`python train.py` on 2 CPU cores in a few minutes); configs/occworld.json
 # holds OccWorld's sizes and recipe.
+# The stages' batch_size is 0: both inherit data.batch_size unless a config sets their own.
 def _tokenizer_stage() -> StageConfig:
-    return StageConfig(epochs=3, lr=2e-3, warmup_steps=30, batch_size=8, best_metric="val/miou")
+    return StageConfig(epochs=3, lr=2e-3, warmup_steps=30, batch_size=0, best_metric="val/miou")
 
 
 def _world_stage() -> StageConfig:
-    return StageConfig(epochs=5, lr=1e-3, warmup_steps=30, batch_size=8, best_metric="val/miou")
+    return StageConfig(epochs=5, lr=1e-3, warmup_steps=30, batch_size=0, best_metric="val/miou")
 
 
 def _demo_tokenizer() -> TokenizerConfig:
@@ -280,8 +282,27 @@ class Config:
                               f"synthetic scenes (synthetic.frames={self.synthetic.frames})")
         if self.data.window > self.world.max_frames + 1:
             raise ConfigError("world.max_frames", f"{self.world.max_frames} is shorter than the "
-                              f"{self.data.window - 1} input frames a window feeds (data.past + data.future - 1)")
+                              f"{self.data.window - 1} input frames a window of data.past={self.data.past} + "
+                              f"data.future={self.data.future} feeds; set --set world.max_frames={self.data.window - 1} "
+                              "(or reach the horizons with fewer, farther frames: data.stride)")
         return self
+
+
+def stage_batch(cfg: Config, stage: str) -> tuple[int, str]:
+    """(batch size per rank and micro-step, the key it came from) of stage "tokenizer" or "world":
+    <stage>_stage.batch_size when set, else data.batch_size."""
+    s = getattr(cfg, f"{stage}_stage")
+    return (s.batch_size, f"{stage}_stage.batch_size") if s.batch_size else (cfg.data.batch_size, "data.batch_size")
+
+
+def resolve_batch_sizes(d: dict) -> dict:
+    """A config dict with each stage's batch_size 0 replaced by data.batch_size (what it means), so
+    configs written before the stages inherited data.batch_size compare equal to today's."""
+    d = json.loads(json.dumps(d))
+    for sec in ("tokenizer_stage", "world_stage"):
+        if isinstance(d.get(sec), dict) and d[sec].get("batch_size") == 0 and isinstance(d.get("data"), dict):
+            d[sec]["batch_size"] = d["data"].get("batch_size")
+    return d
 
 
 # ---------------------------------------------------------------------------------------------

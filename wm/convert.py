@@ -51,6 +51,7 @@ import numpy as np
 
 from wm.atomic import write_bytes
 from wm.errors import DataError, first_line
+from wm.recording_checks import reframe, yaw_stats
 from wm.shards import (COMPRESSIONS, DEFAULT_COMPRESSION, MANIFEST, OCC3D_CLASSES, SUFFIX, DatasetInfo, Manifest,
                        ShardWriter, shard_sha256, verify)
 
@@ -75,6 +76,7 @@ CHAIN_END = (None, "", "EOF")
 
 POSE_TOL = 1e-3  # |R^T R - I| and |det R - 1| allowed before a pose is "not a rigid transform"
 TIME_UNITS = {"s": 1e6, "ms": 1e3, "us": 1.0, "ns": 1e-3}
+YAW_UNITS = {"rad": 1.0, "deg": math.pi / 180}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,13 +281,16 @@ def read_scene(spec: SceneSpec, info: DatasetInfo) -> tuple[np.ndarray, Optional
             for b in bits:
                 mask[i] |= _visible(arrays[f"mask_{b}"], path, where, info, f"mask_{b}").astype(np.uint8) * MASK_BITS[b]
         else:
-            occ[i] = _labels(_load_npy_npz(path, spec.opts.get("key"), where, "occupancy"), path, where, info)
+            fit = spec.opts.get("reframe")  # --crop / --pad: padded voxels are free and not visible
+            occ[i] = _labels(reframe(_load_npy_npz(path, spec.opts.get("key"), where, "occupancy"), fit, info.free_class,
+                                     path, where), path, where, info)
             if mask is not None:
                 if spec.opts.get("mask_key"):
                     mp, mk = path, spec.opts["mask_key"]
                 else:
                     mp, mk = Path(spec.opts["mask_files"][i]), None
-                mask[i] = _visible(_load_npy_npz(mp, mk, where, "mask"), mp, where, info, "mask").astype(np.uint8)
+                mask[i] = _visible(reframe(_load_npy_npz(mp, mk, where, "mask"), fit, 0, mp, where), mp, where, info,
+                                   "mask").astype(np.uint8)
     return occ, mask
 
 
@@ -496,8 +501,9 @@ MATRIX_COLS = tuple(f"m{r}{c}" for r in range(4) for c in range(4))
 XYZYAW_COLS = ("x", "y", "z", "yaw")
 
 
-def _pose_row(row: dict, where: str) -> tuple[Optional[str], float, np.ndarray]:
-    """(frame or None, timestamp, 4x4) from one record of a poses file (CSV row or JSON object)."""
+def _pose_row(row: dict, where: str, yaw_scale: float = 1.0) -> tuple[Optional[str], float, np.ndarray]:
+    """(frame or None, timestamp, 4x4) from one record of a poses file (CSV row or JSON object);
+    a `yaw` is multiplied by `yaw_scale` (pi/180 for --yaw-units deg)."""
     if "timestamp" not in row or row["timestamp"] in (None, ""):
         raise DataError(f"{where}: no timestamp")
 
@@ -522,15 +528,19 @@ def _pose_row(row: dict, where: str) -> tuple[Optional[str], float, np.ndarray]:
         m = np.array([num(row[k], k) for k in MATRIX_COLS]).reshape(4, 4)
     elif all(k in row for k in XYZYAW_COLS):
         x, y, z, yaw = (num(row[k], k) for k in XYZYAW_COLS)
-        m = pose_matrix(yaw_matrix(yaw), (x, y, z))
+        m = pose_matrix(yaw_matrix(yaw * yaw_scale), (x, y, z))
     else:
         raise DataError(f"{where}: needs either m00..m33 (a 4x4 matrix, row-major) or x, y, z, yaw")
     return frame, ts, check_rigid(m, where)
 
 
-def read_poses(path: Path, scene: str) -> list[tuple[Optional[str], float, np.ndarray]]:
-    """Records of a scene's poses file: CSV with a header row, or JSON (a list of objects)."""
+def read_poses(path: Path, scene: str, yaw_unit: str = "rad",
+               yaws: Optional[list] = None) -> list[tuple[Optional[str], float, np.ndarray]]:
+    """Records of a scene's poses file: CSV with a header row, or JSON (a list of objects). The
+    yaw of x,y,z,yaw records is in `yaw_unit` (YAW_UNITS); `yaws`, when given, receives each
+    record's yaw as written (for yaw_unit_note)."""
     where0 = f"{path}: scene {scene!r}"
+    scale = YAW_UNITS[yaw_unit]
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
@@ -548,7 +558,9 @@ def read_poses(path: Path, scene: str) -> list[tuple[Optional[str], float, np.nd
         for i, r in enumerate(rows[1:], 2):
             if len(r) != len(head):
                 raise DataError(f"{where0} line {i}: {len(r)} values for {len(head)} columns")
-            out.append(_pose_row({h: v.strip() for h, v in zip(head, r)}, f"{where0} line {i}"))
+            row = {h: v.strip() for h, v in zip(head, r)}
+            out.append(_pose_row(row, f"{where0} line {i}", scale))
+            _keep_yaw(row, yaws)
     else:
         try:
             d = json.loads(text)
@@ -561,8 +573,16 @@ def read_poses(path: Path, scene: str) -> list[tuple[Optional[str], float, np.nd
         for i, r in enumerate(d):
             if not isinstance(r, dict):
                 raise DataError(f"{where0} entry {i}: expected an object, got {type(r).__name__}")
-            out.append(_pose_row({str(k).lower(): v for k, v in r.items()}, f"{where0} entry {i}"))
+            row = {str(k).lower(): v for k, v in r.items()}
+            out.append(_pose_row(row, f"{where0} entry {i}", scale))
+            _keep_yaw(row, yaws)
     return out
+
+
+def _keep_yaw(row: dict, yaws: Optional[list]) -> None:
+    """The yaw as written (a record _pose_row built from x, y, z, yaw), for yaw_unit_note."""
+    if yaws is not None and "matrix" not in row and not all(k in row for k in MATRIX_COLS) and "yaw" in row:
+        yaws.append(float(row["yaw"]))
 
 
 def _frame_files(folder: Path) -> tuple[dict[str, Path], dict[str, Path]]:
@@ -580,7 +600,8 @@ def _frame_files(folder: Path) -> tuple[dict[str, Path], dict[str, Path]]:
     return frames, masks
 
 
-def frames_scene(folder: Path, split: str, unit: str, key: Optional[str], mask_key: Optional[str]) -> SceneSpec:
+def frames_scene(folder: Path, split: str, unit: str, key: Optional[str], mask_key: Optional[str],
+                 yaw_unit: str = "rad") -> SceneSpec:
     """Plan one scene folder of own recordings (layout: tools/convert_frames.py)."""
     name = folder.name
     found = [folder / p for p in POSE_FILES if (folder / p).is_file()]
@@ -590,7 +611,8 @@ def frames_scene(folder: Path, split: str, unit: str, key: Optional[str], mask_k
         raise DataError(f"{folder}: scene {name!r} has both {POSE_FILES[0]} and {POSE_FILES[1]}; keep one")
     pf = found[0]
     frames, masks = _frame_files(folder)
-    records = read_poses(pf, name)
+    yaws: list = []
+    records = read_poses(pf, name, yaw_unit, yaws)
     named = [r[0] is not None for r in records]
     if any(named) and not all(named):
         raise DataError(f"{pf}: scene {name!r}: some rows name a frame and some do not; name all or none")
@@ -624,7 +646,11 @@ def frames_scene(folder: Path, split: str, unit: str, key: Optional[str], mask_k
     ids = [p[0] for p in pairs]
     ts = np.array([round(p[1] * scale) for p in pairs], np.int64)
     _check_times(name, ts, ids, str(pf))
-    opts = {"key": key, "mask_key": mask_key}
+    opts = {"key": key, "mask_key": mask_key, "poses": str(pf)}
+    if yaw_unit == "rad" and len(yaws) == len(records) > 1:  # x,y,z,yaw records: how their yaw looks, in time order
+        t = np.array([r[1] for r in records]) * scale / 1e6
+        o = np.argsort(t, kind="stable")
+        opts["yaw"] = yaw_stats(np.array(yaws)[o], t[o])
     if mask_key:
         npy = [s for s in ids if frames[s].suffix != ".npz"]
         if npy:
@@ -670,13 +696,15 @@ def split_scenes(names: list[str], val_scenes: Optional[Iterable[str]], val_frac
 
 
 def frames_scenes(root: str | os.PathLike, val_scenes=None, val_fraction: float = 0.1, unit: str = "s",
-                  key: Optional[str] = None, mask_key: Optional[str] = None):
+                  key: Optional[str] = None, mask_key: Optional[str] = None, yaw_unit: str = "rad"):
     """Plan a conversion of own recordings: ({split: [names]}, {name: SceneSpec}, bad)."""
     root = Path(root)
     if not root.is_dir():
         raise DataError(f"--root {root} is not a folder (expected one sub-folder per scene)")
     if unit not in TIME_UNITS:
         raise DataError(f"--time-unit {unit!r} must be one of {list(TIME_UNITS)}")
+    if yaw_unit not in YAW_UNITS:
+        raise DataError(f"--yaw-units {yaw_unit!r} must be one of {list(YAW_UNITS)}")
     folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not folders:
         raise DataError(f"{root}: no scene folders (expected {root}/<scene>/ with frames and {POSE_FILES[0]})")
@@ -685,7 +713,7 @@ def frames_scenes(root: str | os.PathLike, val_scenes=None, val_fraction: float 
     specs, bad = {}, []
     for p in folders:
         try:
-            specs[p.name] = frames_scene(p, split_of[p.name], unit, key, mask_key)
+            specs[p.name] = frames_scene(p, split_of[p.name], unit, key, mask_key, yaw_unit)
         except DataError as e:
             bad.append({"scene": p.name, "split": split_of[p.name], "error": str(e)})
     # one data set has masks everywhere or nowhere
@@ -713,9 +741,16 @@ def peek_grid(spec: SceneSpec) -> tuple[int, int, int]:
 
 
 def median_rate(specs: Iterable[SceneSpec]) -> float:
+    """Frames per second from the median timestamp step; a rate within 0.2 % of a multiple of 0.5 Hz
+    is that multiple (clock jitter makes a 10 Hz log 10.001 Hz, and horizons in seconds need the
+    nominal rate to land on whole frames)."""
     steps = np.concatenate([np.diff(s.timestamp) for s in specs] or [np.zeros(0)])
     steps = steps[steps > 0]
-    return round(1e6 / float(np.median(steps)), 3) if len(steps) else 1.0
+    if not len(steps):
+        return 1.0
+    r = 1e6 / float(np.median(steps))
+    nominal = round(2 * r) / 2
+    return nominal if nominal > 0 and abs(r - nominal) <= 0.002 * nominal else round(r, 3)
 
 
 # ---------------------------------------------------------------------------------------------

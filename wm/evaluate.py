@@ -191,8 +191,10 @@ def horizon_label(h: float) -> str:
     return f"{h:g}s"
 
 
-def horizon_steps(horizons: Sequence[float], frame_rate_hz: float, stride: int, future: int) -> list[int]:
-    """0-based future-step indices of `horizons` (seconds after the last past frame).
+def horizon_steps(horizons: Sequence[float], frame_rate_hz: float, stride: int, future: int,
+                  longest: Optional[int] = None) -> list[int]:
+    """0-based future-step indices of `horizons` (seconds after the last past frame). `longest`: the
+    most future frames the model's config admits (world.max_frames + 1 - data.past), if known.
 
     Future step k (1-based) lies k * stride / frame_rate_hz seconds ahead. A horizon between two
     steps, or beyond the `future` steps the windows hold, raises WMError naming what would reach it.
@@ -217,10 +219,13 @@ def horizon_steps(horizons: Sequence[float], frame_rate_hz: float, stride: int, 
     if short:
         need = max(k for _, k in short)
         reach = future * dt
+        fix = f"evaluate with --set data.future={need} (the windows may differ from training)"
+        if longest is not None and need > longest:  # that would be refused by world.max_frames: say so now
+            fix = (f"this model takes data.future <= {longest} (world.max_frames), so those horizons need a model "
+                   f"trained at a larger data.stride (one step = stride / {frame_rate_hz:g} Hz)")
         raise WMError(f"eval horizon too short: data.future={future} at {frame_rate_hz:g} Hz, stride {stride} "
                       f"reaches {reach:g} s, but {', '.join(f'{h:g} s' for h, _ in short)} "
-                      f"need{'s' if len(short) == 1 else ''} data.future >= {need}; evaluate with "
-                      f"--set data.future={need} (the windows may differ from training) or ask for "
+                      f"need{'s' if len(short) == 1 else ''} data.future >= {need}; {fix} or ask for "
                       f"--horizons up to {reach:g} s")
     if len(set(steps)) != len(steps):
         raise WMError(f"--horizons {','.join(horizon_label(h) for h in horizons)} name a future step twice")
@@ -288,6 +293,8 @@ def format_table(rep: dict) -> str:
         at = ", ".join(f"t+{s + 1}" for s in wor["steps"])
         lines.append(f"  {wor['windows']} windows of {wor['past']} past + {wor['future']} future frames, "
                      f"{wor['forecast_motion']} ego motion; horizons at future steps {at}")
+        if wor.get("horizons_why"):
+            lines.append(f"  horizons {', '.join(wor['horizons'])}: {wor['horizons_why']}")
         head = "".join(f"{h:>9}" for h in wor["horizons"]) + f"{'avg':>9}"
         lines.append(f"  {'':<16}{head}")
         for metric in ("iou", "miou"):
@@ -300,12 +307,14 @@ def format_table(rep: dict) -> str:
     cols = []
     if tok:
         cols.append(("recon", tok["per_class"]))
-    if wor:
-        avg = "/".join(wor["horizons"])
-        cols += [(f"forecast {avg}", wor["forecast"]["per_class_avg"]),
-                 (f"copy-last {avg}", wor["copy_last"]["per_class_avg"])]
+    if wor:  # averages over the horizons, labelled so (per horizon: per_class in the JSON report)
+        cols += [("forecast avg", wor["forecast"]["per_class_avg"]),
+                 ("copy-last avg", wor["copy_last"]["per_class_avg"])]
     if cols:
         w = max(len(n) for n in names) + 16
+        if wor:
+            lines.append(f"  (forecast avg, copy-last avg: the mean over {', '.join(wor['horizons'])}; per "
+                         "horizon in the JSON report's per_class)")
         lines.append("  per-class IoU" + " " * max(0, w - 13) + "".join(f"{c:>{max(9, len(c) + 2)}}" for c, _ in cols))
         for cid, n in enumerate(names):
             tag = n + (" (not in mIoU)" if cid == rep["free_class"] else "")
@@ -404,6 +413,17 @@ def _build(cls, st: dict, path: Path, *a):
 # --eval-only
 
 
+def check_stride(plan: list, cfg: Config, frame_rate_hz: float) -> None:
+    """A world model forecasts steps of the data.stride it was trained with; scoring it at another
+    stride compares its forecast with frames at other times. Refused with the right value."""
+    for s, p, st in plan:
+        trained = ((st.get("config") or {}).get("data") or {}).get("stride")
+        if s == "world" and trained is not None and trained != cfg.data.stride:
+            step = f" (one forecast step = {trained / frame_rate_hz:g} s at {frame_rate_hz:g} Hz)" if frame_rate_hz > 0 else ""
+            raise WMError(f"{p} was trained with data.stride={trained}{step} but the config has "
+                          f"data.stride={cfg.data.stride}; evaluate with --set data.stride={trained}")
+
+
 def _data_root(cfg: Config, d: D.Dist, say) -> Path:
     """data.root, or the synthetic set (rank 0 generates it first), as the training run does."""
     root = None
@@ -438,6 +458,27 @@ def _mask_field(name: str, manifest) -> Optional[int]:
         raise WMError(f"--mask {name}: the data set's manifest names no {name} mask bits; it offers: "
                       f"{', '.join(have)}")
     return named[name]
+
+
+def default_horizons(frame_rate_hz: float, stride: int, future: int) -> tuple[tuple[float, ...], str]:
+    """The horizons --eval-only uses without --horizons, and why: OccWorld's 1 s, 2 s, 3 s where the
+    windows reach them in whole steps; otherwise the future steps at a third, two thirds and all of
+    the window (the protocol's shape: steps 2, 4, 6 of 6), in seconds."""
+    if not frame_rate_hz > 0:
+        return PROTOCOL_HORIZONS, "OccWorld's protocol"
+    dt = stride / frame_rate_hz
+    ks = [h / dt for h in PROTOCOL_HORIZONS]
+    whole = all(abs(k - round(k)) <= 1e-6 * max(1.0, k) for k in ks)
+    if whole and round(ks[-1]) <= future:
+        return PROTOCOL_HORIZONS, ""
+    steps = sorted({max(1, round(i * future / 3)) for i in (1, 2, 3)})
+    hs = tuple(round(k * dt, 6) for k in steps)
+    if whole:
+        need = f"need data.future >= {round(ks[-1])} at this stride"
+    else:
+        need = f"are not whole steps of {dt:g} s (data.stride={stride} at {frame_rate_hz:g} Hz)"
+    return hs, (f"the default for these windows ({future} future frames at {frame_rate_hz:g} Hz, stride {stride}, "
+                f"reach {future * dt:g} s); OccWorld's 1 s, 2 s, 3 s {need}; --horizons chooses others")
 
 
 def _parse_horizons(text: Optional[str]) -> tuple[float, ...]:
@@ -516,10 +557,15 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
     field = None if bits is None else "mask"
     if bits is not None:
         cfg.data = dataclasses.replace(cfg.data, mask_bits=bits)
-    horizons = _parse_horizons(getattr(args, "horizons", None))
+    asked = getattr(args, "horizons", None)
+    horizons, why = _parse_horizons(asked), "--horizons" if asked else ""
     steps = None
     if "world" in stages:
-        steps = horizon_steps(horizons, info.frame_rate_hz, cfg.data.stride, cfg.data.future)
+        check_stride(plan, cfg, info.frame_rate_hz)
+        if not asked:
+            horizons, why = default_horizons(info.frame_rate_hz, cfg.data.stride, cfg.data.future)
+        steps = horizon_steps(horizons, info.frame_rate_hz, cfg.data.stride, cfg.data.future,
+                              longest=cfg.world.max_frames + 1 - cfg.data.past)
     for s, p, st in plan:
         fp = st.get("data_fingerprint")
         if fp and fp != manifest.fingerprint:
@@ -565,6 +611,7 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
                         "tokenizer_checkpoint": str(tpath), "tokenizer_sha256": tsha,
                         "windows": len(ds), "past": cfg.data.past, "future": cfg.data.future,
                         "stride": cfg.data.stride, "forecast_motion": cfg.train.forecast_motion,
+                        "horizons_why": why or "OccWorld's protocol",
                         **forecast_report(f, steps, horizons, mode, names)}
 
     if d.is_main:

@@ -99,6 +99,9 @@ class DatasetInfo:
     range: tuple[float, ...] = (-40.0, -40.0, -1.0, 40.0, 40.0, 5.4)
     frame_rate_hz: float = 2.0
     has_mask: bool = False
+    # {class name: [r, g, b]} for the pictures (wm.viz.class_palette); optional, and left out of
+    # manifest.json when empty, so data sets without it keep their fingerprint
+    class_colors: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.grid = tuple(int(g) for g in self.grid)
@@ -115,7 +118,10 @@ class DatasetInfo:
             raise DataError(f"{len(self.class_names)} class names given for {self.num_classes} classes")
 
     def to_json(self) -> dict:
-        return json.loads(json.dumps(asdict(self)))
+        d = json.loads(json.dumps(asdict(self)))
+        if not d["class_colors"]:
+            del d["class_colors"]
+        return d
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,8 +427,13 @@ def load_manifest(root: str | os.PathLike) -> Manifest:
     for k, (what, ok) in expect.items():
         if not ok(d[k]):
             raise DataError(f"{p}: field '{k}' is {d[k]!r}, expected {what}")
+    colors = d.get("class_colors", {})
+    if not (isinstance(colors, dict) and all(k in d["class_names"] and isinstance(v, list) and len(v) == 3
+                                             and all(isinstance(x, int) and 0 <= x <= 255 for x in v)
+                                             for k, v in colors.items())):
+        raise DataError(f"{p}: field 'class_colors' is {colors!r}, expected {{class name: [r, g, b]}} (0-255)")
     try:
-        info = DatasetInfo(**{k: d[k] for k in keys})
+        info = DatasetInfo(**{k: d[k] for k in keys}, class_colors=colors)
     except (TypeError, ValueError, DataError) as e:
         raise DataError(f"{p}: {e}") from None
     shards = d["shards"]

@@ -60,9 +60,9 @@ class TokenizerConfig:
     codebook_size: int = 128  # number of codes K
     code_dim: int = 32  # dim of each code
     commitment: float = 0.25  # beta: VQ loss = |sg(z)-e|^2 + beta * |z-sg(e)|^2
-    ce_weight: float = 10.0
-    lovasz_weight: float = 1.0
-    vq_weight: float = 1.0
+    ce_weight: float = 10.0  # weight of the cross-entropy loss
+    lovasz_weight: float = 1.0  # weight of the Lovasz-softmax loss (0: off)
+    vq_weight: float = 1.0  # weight of the vector-quantizer loss
     dead_code_steps: int = 100  # reset codes unused for this many training forwards; 0 = never
     checkpoint_every: int = 0  # activation checkpointing: 0 off, 1 every block, k every k-th block
 

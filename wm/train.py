@@ -43,7 +43,8 @@ import wm
 from wm import distributed as D, runlock
 from wm.checkpoint import (Checkpointer, CheckpointError, latest_checkpoint, load_checked, newest_valid, rng_state,
                            set_rng_state, sha256_file, write_atomic)
-from wm.config import Config, DataConfig, StageConfig, from_dict, load as load_config, save as save_config, to_dict
+from wm.config import (Config, DataConfig, StageConfig, from_dict, load as load_config, resolve_batch_sizes,
+                       save as save_config, stage_batch, to_dict)
 from wm.data import (CodeWindows, OccWindows, ResumableSampler, check_against_config, ignore_stop_signals, make_loader,
                      resolve_root, start_workers)
 from wm.atomic import write_bytes
@@ -51,7 +52,7 @@ from wm.errors import ConfigError, DataError, WMError, first_line
 from wm.logs import Logger, eta
 from wm.evaluate import autocast, eval_batches, evaluate_run, forecast, frames_config, reconstruction
 from wm.tokenizer import Tokenizer, count_parameters
-from wm.viz import bev, tile
+from wm.viz import figure
 from wm.world import WorldModel
 
 # ---------------------------------------------------------------------------------------------
@@ -242,7 +243,7 @@ class Run:
             old_cfg = from_dict(Config, old)
         except ConfigError as e:
             raise WMError(f"{prev}: {e}; use --fresh to start over") from None
-        a, b = to_dict(old_cfg), to_dict(self.cfg)
+        a, b = resolve_batch_sizes(to_dict(old_cfg)), resolve_batch_sizes(to_dict(self.cfg))
         # a stage that has not saved anything yet may still be configured freely
         free = {sec for stage, secs in STAGE_SECTIONS.items()
                 if not latest_checkpoint(self.dir / stage / "checkpoints") for sec in secs}
@@ -695,7 +696,7 @@ def stage_parts(stage, cfg: Config, d: D.Dist, device: torch.device, dtype) -> S
     """fit's set-up of a stage (also tools/bench_train.py's, so the bench times what fit runs)."""
     s = stage.scfg
     model = stage.model.to(device)
-    batch = s.batch_size or cfg.data.batch_size
+    batch, _ = stage_batch(cfg, stage.name)
     opt = make_optimizer(model, s, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     sampler = ResumableSampler(len(stage.train_ds), d.world_size, d.rank, seed=cfg.run.seed, drop_last=True)
@@ -704,6 +705,15 @@ def stage_parts(stage, cfg: Config, d: D.Dist, device: torch.device, dtype) -> S
     steps_per_epoch = per_rank_batches // s.grad_accum
     return StageParts(model, batch, opt, scaler, sampler, loader, steps_per_epoch,
                       s.max_steps or s.epochs * steps_per_epoch)
+
+
+def batch_words(cfg: Config, stage: str, world_size: int) -> str:
+    """Where a stage's batch comes from, for the log: 'batch 8 from data.batch_size [tokenizer_stage.batch_size
+    is 0] x grad_accum 1 x 1 rank'."""
+    batch, key = stage_batch(cfg, stage)
+    unset = f" [{stage}_stage.batch_size is 0]" if key == "data.batch_size" else ""
+    return (f"batch {batch} from {key}{unset} x grad_accum {getattr(cfg, f'{stage}_stage').grad_accum} "
+            f"x {world_size} rank{'s' if world_size != 1 else ''}")
 
 
 def fit(run: Run, stage, device: torch.device, dtype) -> dict:
@@ -756,7 +766,8 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
     else:
         seed_all(cfg.run.seed * 1000 + d.rank)
         run.say(f"{stage.name}: {count_parameters(model) / 1e6:.2f} M parameters, {len(stage.train_ds)} "
-                f"training samples, {total} steps of {batch * d.world_size * s.grad_accum} samples")
+                f"training samples, {total} steps of {batch * d.world_size * s.grad_accum} samples "
+                f"({batch_words(cfg, stage.name, d.world_size)})")
 
     ddp = wrap_ddp(model, cfg, device, d)
     fwd = torch.compile(ddp) if cfg.train.compile else ddp
@@ -838,11 +849,10 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
             model.train()
             evaluated = True
             log.scalars(step, last_val, kind=f"{stage.name}/val")
-            for tag, frames in pics:
-                top = tile([bev(f, cfg.data.num_classes, cfg.data.free_class) for f in frames[0]])
-                bot = tile([bev(f, cfg.data.num_classes, cfg.data.free_class) for f in frames[1]])
-                gap = np.full((2, top.shape[1], 3), 128, np.uint8)
-                log.image(tag, step, np.concatenate([top, gap, bot]))
+            for tag, frames in pics:  # BEV pictures in the data set's colours, with a legend
+                info = run.manifest.info
+                log.image(tag, step, figure([list(frames[0]), list(frames[1])], info.class_names, info.free_class,
+                                            info.class_colors, titles=["ground truth", "prediction"]))
             v = last_val.get(s.best_metric)
             if v is None:
                 raise WMError(f"{stage.name}_stage.best_metric {s.best_metric!r} is not a validation "
@@ -917,6 +927,8 @@ def parse_args(argv=None):
     ap.add_argument("--allow-changed", default="", metavar="KEY,...",
                     help="resume with these optimisation keys changed, e.g. tokenizer_stage.lr,tokenizer_stage.clip "
                          "(recorded in config.json's meta.history; data and model keys stay refused)")
+    ap.add_argument("--help-config", action="store_true",
+                    help="print every config key with its type, default and meaning (docs/CONFIG.md), and exit")
     ev = ap.add_argument_group("evaluation (--eval-only: OccWorld's protocol, see wm/evaluate.py)")
     ev.add_argument("--eval-only", action="store_true",
                     help="train nothing: evaluate the run's best (else newest) checkpoints, print a table, write JSON")
@@ -982,6 +994,11 @@ def make_summary(cfg: Config, results: dict) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.help_config:
+        from wm.config_ref import reference
+
+        print(reference())
+        return 0
     stray = [f for f in ("ckpt", "stage", "split", "mask", "mode", "horizons", "json") if getattr(args, f) is not None]
     if stray and not args.eval_only:
         raise WMError(f"--{stray[0]} belongs to evaluation; add --eval-only (training ignores it)")

@@ -56,8 +56,8 @@ class WorldConfig:
     ffn_mult: int = 4  # FFN hidden = ffn_mult * width
     max_frames: int = 16  # longest input sequence (learned frame embeddings); rollout keeps the last ones
     motion_scale: float = 10.0  # metres per unit of the motion input features and displacement head
-    ce_weight: float = 1.0
-    motion_weight: float = 0.1
+    ce_weight: float = 1.0  # weight of the next-frame code cross-entropy
+    motion_weight: float = 0.1  # weight of the ego-motion L2 loss
     checkpoint_every: int = 0  # activation checkpointing: 0 off, 1 every block, k every k-th block
 
     @classmethod
