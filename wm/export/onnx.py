@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from wm.atomic import discard, publish, tmp_path
-from wm.checkpoint import latest_checkpoint, load
+from wm.checkpoint import latest_checkpoint, load, newest_valid
 from wm.config import Config, from_dict
 from wm.errors import ConfigError, WMError
 from wm.tokenizer import Tokenizer
@@ -91,17 +91,20 @@ def load_trained(run: str | os.PathLike, ckpt: Optional[str | os.PathLike] = Non
         raise ExportError(f"run folder {run} does not exist (--run)")
     if ckpt is None:
         folder = run / "world" / "checkpoints"
-        best = folder / "best.pt"
-        ckpt = best if best.is_file() else latest_checkpoint(folder)
-        if ckpt is None:
+        # best.pt, else the newest valid step: each is checked against its recorded sha256, and a
+        # damaged one is named and skipped (CheckpointError, one line, when none is valid)
+        found = newest_valid(folder, best=True, say=print)
+        if found is None:
             tok = latest_checkpoint(run / "tokenizer" / "checkpoints")
             what = "only the tokenizer stage" if tok else "no checkpoint"
             raise ExportError(f"{run} holds {what}: the forecaster needs a world-model checkpoint "
                               f"({folder}); train the world stage first")
-    ckpt = Path(ckpt)
-    if not ckpt.is_file():
-        raise ExportError(f"checkpoint {ckpt} does not exist (--ckpt)")
-    st = load(ckpt)  # CheckpointError (a WMError) names a truncated or corrupt file
+        ckpt, st = found
+    else:
+        ckpt = Path(ckpt)
+        if not ckpt.is_file():
+            raise ExportError(f"checkpoint {ckpt} does not exist (--ckpt)")
+        st = load(ckpt)  # CheckpointError (a WMError) names a truncated, corrupt or tampered file
     if st.get("stage") != "world":
         raise ExportError(f"{ckpt} is a {st.get('stage', 'unknown')}-stage checkpoint; export needs a "
                           "world-model checkpoint (runs/<name>/world/checkpoints/)")
