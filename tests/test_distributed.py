@@ -285,6 +285,7 @@ def stop_one_rank(tiny, sig, timeout_s, out):
     the other agent, seconds it took to end after the signal, its output)."""
     ps = agents(tiny, free_port(), out, tokenizer_stage__max_steps=5000, train__timeout_s=timeout_s,
                 tokenizer__lovasz_weight=0)
+    workers = set()
     try:
         deadline = time.monotonic() + 180
         while not any(p.wait_for(r"^tokenizer step 3/", 0.2) for p in ps):  # rank 0 is either one
@@ -294,6 +295,7 @@ def stop_one_rank(tiny, sig, timeout_s, out):
         victim = survivor = None
         for i, p in enumerate(ps):
             for c in children(p.pid):
+                workers.add(c)
                 try:
                     env = Path(f"/proc/{c}/environ").read_bytes().split(b"\0")
                 except OSError:
@@ -306,6 +308,13 @@ def stop_one_rank(tiny, sig, timeout_s, out):
         rc = survivor.finish(timeout_s + 90)  # raises if it hangs
         return rc, time.monotonic() - t0, survivor.output
     finally:
+        # the workers may sit in their own process groups, and a stopped one ignores everything but
+        # SIGKILL: kill each by pid so no rank outlives the test
+        for c in workers:
+            try:
+                os.kill(c, signal.SIGKILL)
+            except OSError:
+                pass
         for p in ps:
             p.kill_group()
 
