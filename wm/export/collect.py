@@ -157,19 +157,18 @@ def collect(make_engine: Callable[[Callable], Callable], wanted: Mapping[str, Se
     windows `idx` of `ds`, in two streamed passes. `make_engine(taps)` returns an engine that calls
     taps(graph, name, value) with its values (ProgramGraphs, or OrtGraphs with extra outputs)."""
     n_batches = (len(idx) + batch - 1) // batch
+    def one_pass(tap, what: str):
+        run = make_engine(tap)
+        p = Progress(f"calibration {what}", len(idx), "windows", log)
+        for b in batches(ds, idx, batch):
+            calibrate_batch(run, cfg, b["occ"], b["motion"])
+            p.step(len(b["occ"]))
+
     tap1 = _MaxTap(wanted)
-    run = make_engine(tap1)
-    p = Progress("calibration pass 1/2 (ranges)", len(idx), "windows", log)
-    for b in batches(ds, idx, batch):
-        calibrate_batch(run, cfg, b["occ"], b["motion"])
-        p.step(len(b["occ"]))
+    one_pass(tap1, "pass 1/2 (ranges)")
     ranges = tap1.maxima()
     tap2 = _HistTap(ranges)
-    run = make_engine(tap2)
-    p = Progress("calibration pass 2/2 (histograms)", len(idx), "windows", log)
-    for b in batches(ds, idx, batch):
-        calibrate_batch(run, cfg, b["occ"], b["motion"])
-        p.step(len(b["occ"]))
+    one_pass(tap2, "pass 2/2 (histograms)")
     out = {g: HistogramCollector() for g in wanted}
     for g, names in wanted.items():
         col = out[g]
