@@ -10,7 +10,7 @@ see the tensors:
 - :class:`ProgramGraphs` (the torch.export programs, node by node): on the GPU where there is one,
   which makes calibration at the `occworld` size minutes instead of hours; every ONNX tensor of
   interest is an FX node of the same name (wm.export.onnx exports attention in explicit form);
-- :class:`OrtGraphs` with extra outputs (onnxruntime on the CPU): the fallback where there is no
+- :class:`TappedOrt` (the ONNX files with extra outputs) (onnxruntime on the CPU): the fallback where there is no
   GPU, and the reference the torch path is tested against.
 
 Two passes over the windows, as before: the exact max |x| of each tensor first, then its histogram
@@ -155,7 +155,7 @@ def collect(make_engine: Callable[[Callable], Callable], wanted: Mapping[str, Se
             idx: np.ndarray, batch: int, log: Callable[[str], None] = print) -> dict[str, HistogramCollector]:
     """{graph: HistogramCollector} of the `wanted` tensors ({graph: [tensor names]}) over the
     windows `idx` of `ds`, in two streamed passes. `make_engine(taps)` returns an engine that calls
-    taps(graph, name, value) with its values (ProgramGraphs, or OrtGraphs with extra outputs)."""
+    taps(graph, name, value) with its values (ProgramGraphs, or TappedOrt)."""
     n_batches = (len(idx) + batch - 1) // batch
     def one_pass(tap, what: str):
         run = make_engine(tap)
