@@ -34,15 +34,15 @@ from wm.atomic import discard, publish, tmp_path, write_bytes
 from wm.errors import WMError, run_cli
 
 
-def peak_memory() -> dict:
-    """Peak resident memory of this process and of its children (GiB), and the GPU's peak allocation."""
+def peak_memory(peaks) -> dict:
+    """Peak resident memory of this process (GiB, overall and per phase: wm.export.memory), of its
+    children (the threshold workers), and the GPU's peak allocation."""
     import resource
 
     import torch
 
-    gib = 1024 ** 2  # ru_maxrss is in KiB on Linux
-    out = {"host_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / gib, 2),
-           "children_peak_gib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / gib, 2)}
+    out = peaks.as_dict()
+    out["children_peak_gib"] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 ** 2, 2)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return out
@@ -104,6 +104,9 @@ def main(argv=None) -> int:
     report = {"checkpoint": str(t.ckpt), "tokenizer_checkpoint": str(t.tokenizer_ckpt),
               "data_fingerprint": t.data_fingerprint, "graphs": {}, "seconds": {}}
     secs = report["seconds"]
+    from wm.export.memory import PhasePeaks
+
+    peaks = PhasePeaks()
     ex = {b: example_inputs(t, b, seed=b) for b in (1, 2)}
     programs = {}
     t0 = time.perf_counter()
@@ -119,8 +122,10 @@ def main(argv=None) -> int:
                                                                  *v.shape[1 + (name == "world_step"):]]]
                         for k, v in ex[1][name].items()},
              "vs_pytorch": {f"batch{b}": compare(module, path, ex[b][name]) for b in (1, 2)}}
+        peaks.mark(f"export_{name}")
         if a.fp16:
             r["fp16"] = to_fp16(path, out / f"{name}.fp16.onnx", module, ex)
+            peaks.mark(f"fp16_{name}")
         report["graphs"][name] = r
         line = "  ".join(f"batch {b}: agree {v['class_agreement']:.4f}" +
                          (f" max|diff| {v['max_abs_diff']:.2e}" if v["max_abs_diff"] is not None else "")
@@ -135,7 +140,8 @@ def main(argv=None) -> int:
         from wm.export.int8 import run_int8
 
         full = run_int8(t, out, a.calib_windows, a.eval_windows, batch=a.batch, trt_version=a.trt_version,
-                        engine=a.engine, programs=programs, parity_windows=a.parity_windows)
+                        engine=a.engine, programs=programs, parity_windows=a.parity_windows,
+                        mark=peaks.mark)
         report["int8"] = full["int8"]
         secs.update({f"int8_{k}": v for k, v in full["int8"]["seconds"].items() if k != "total"})
     if not a.no_trt:
@@ -150,8 +156,9 @@ def main(argv=None) -> int:
         report["tensorrt"] = deploy(files, feeds, max_batch=a.max_batch, opt_batch=1,
                                     dims={"frames": (2, c.data.past, c.world.max_frames)})
         secs["tensorrt"] = round(time.perf_counter() - t0, 2)
+        peaks.mark("tensorrt")
     secs["total"] = round(time.perf_counter() - t_start, 2)
-    report["memory"] = peak_memory()
+    report["memory"] = peak_memory(peaks)
     write_bytes(out / "export.json", json.dumps(report, indent=1))
     m = report["memory"]
     print(f"wrote {out / 'export.json'}  ({secs['total']:.0f} s; peak host memory {m['host_peak_gib']:.1f} GiB"
@@ -160,18 +167,15 @@ def main(argv=None) -> int:
 
 
 def to_fp16(src: Path, dst: Path, module, ex) -> dict:
-    """FP16 copy of a graph through onnxruntime's converter, inputs and outputs in their own types."""
+    """FP16 copy of a graph (wm.export.onnx.fp16_model), checked, published atomically, compared."""
     import onnx
-    from onnxruntime.transformers.float16 import convert_float_to_float16
-    from onnxruntime.transformers.onnx_model import OnnxModel
 
-    from wm.export.onnx import compare
+    from wm.export.onnx import compare, fp16_model
 
-    m = OnnxModel(convert_float_to_float16(onnx.load(str(src)), keep_io_types=True))
-    m.topological_sort()  # the converter appends the casts it adds around kept-float ops at the end
+    m = fp16_model(onnx.load(str(src)))
     tmp = tmp_path(dst)
     try:
-        onnx.save(m.model, str(tmp))
+        onnx.save(m, str(tmp))
         onnx.checker.check_model(str(tmp))
         publish(tmp, dst)
     finally:

@@ -42,6 +42,10 @@ def test_export_matches_pytorch_at_batch_1_and_2(trained, tmp_path):
     assert ins == {"codes": ["batch", "frames", 4, 4], "motion": ["batch", "frames", 3]}
     assert outs["next_codes"][1:] == [4, 4] and outs["next_motion"][1:] == [3]
     assert set(rep["seconds"]) >= {"export_fp32_fp16", "total"} and rep["memory"]["host_peak_gib"] > 0
+    phases = rep["memory"]["phase_peak_gib"]
+    assert set(phases) >= {f"{k}_{g}" for k in ("export", "fp16") for g in ("tokenizer_encode", "world_step",
+                                                                           "tokenizer_decode")}
+    assert rep["memory"]["host_peak_gib"] >= max(phases.values()) > 0
     assert not list(tmp_path.glob(".*tmp*"))
 
 
@@ -206,3 +210,81 @@ def test_damaged_best_checkpoint_is_named_and_skipped(trained, tmp_path):
     assert f"warning: skipped {best}" in p.stdout
     step = json.loads((tmp_path / "o" / "export.json").read_text())["checkpoint"]
     assert Path(step).name.startswith("step_")
+
+
+def test_fp16_copy_repairs_the_duplicate_casts_of_older_onnxruntime(tmp_path):
+    """onnxruntime < 1.31's float16 converter writes one Cast per use of a float16 tensor that two
+    kept-float ops read, all to the same name (seen as a non-SSA tokenizer_decode with 1.30), and
+    leaves float16 value_info on initializers that stayed float32. That graph, built by hand, is
+    refused by the checker; dedupe_nodes makes it valid and runnable with the same outputs. A
+    second writer that computes something else is not dropped."""
+    import numpy as np
+    import onnx
+    import pytest
+    from onnx import TensorProto, helper
+
+    from wm.export.onnx import dedupe_nodes, fp16_model, session
+
+    def model(second_cast_to=TensorProto.FLOAT):
+        nodes = [helper.make_node("Cast", ["x"], ["h"], name="c0", to=TensorProto.FLOAT16),
+                 helper.make_node("Cast", ["h"], ["h_cast_to_fp32"], name="h_cast_to_fp32_node", to=TensorProto.FLOAT),
+                 helper.make_node("Softmax", ["h_cast_to_fp32"], ["s"], name="s0", axis=-1),
+                 helper.make_node("Cast", ["h"], ["h_cast_to_fp32"], name="h_cast_to_fp32_node",
+                                  to=second_cast_to),
+                 helper.make_node("ReduceMax", ["h_cast_to_fp32"], ["r"], name="r0", keepdims=1),
+                 helper.make_node("Add", ["s", "r"], ["y"], name="a0")]
+        vi = [helper.make_tensor_value_info("h_cast_to_fp32", TensorProto.FLOAT, ["b", 4])] * 2
+        vi.append(helper.make_tensor_value_info("w", TensorProto.FLOAT16, [1]))  # stale: w stayed float32
+        nodes.append(helper.make_node("Mul", ["y0", "w"], ["y"], name="m0"))
+        nodes[-2].output[0] = "y0"
+        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4])], value_info=vi,
+                              initializer=[helper.make_tensor("w", TensorProto.FLOAT, [1], [1.0])])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+    m = model()
+    with pytest.raises(onnx.checker.ValidationError):
+        onnx.checker.check_model(m, full_check=True)
+    assert dedupe_nodes(m) == 1
+    onnx.checker.check_model(m, full_check=True)
+    assert [n.name for n in m.graph.node].count("h_cast_to_fp32_node") == 1
+    assert [v.name for v in m.graph.value_info] == ["h_cast_to_fp32"]
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    onnx.save(m, str(tmp_path / "m.onnx"))
+    h = x.astype(np.float16).astype(np.float32)
+    e = np.exp(h - h.max(-1, keepdims=True))
+    np.testing.assert_allclose(session(tmp_path / "m.onnx").run(None, {"x": x})[0],
+                               e / e.sum(-1, keepdims=True) + h.max(), rtol=1e-6)  # ReduceMax: all axes
+    other = model(second_cast_to=TensorProto.DOUBLE)
+    assert dedupe_nodes(other) == 0  # not the same computation: left for the checker to refuse
+
+    # and the converter path end to end: a float16 copy that the checker accepts and that runs
+    g = helper.make_graph([helper.make_node("Softmax", ["x"], ["s"], axis=-1),
+                           helper.make_node("ReduceMax", ["x"], ["r"], keepdims=1),
+                           helper.make_node("Add", ["s", "r"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4])])
+    f = fp16_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    onnx.checker.check_model(f, full_check=True)
+    onnx.save(f, str(tmp_path / "f.onnx"))
+    assert session(tmp_path / "f.onnx").run(None, {"x": x})[0].dtype == np.float32
+
+
+def test_phase_peaks_name_the_phase_that_used_the_memory():
+    """A phase that held 1 GiB and a later one that held little: each gets its own peak (Linux:
+    VmHWM reset between phases), the overall peak is the larger."""
+    import numpy as np
+
+    from wm.export.memory import PhasePeaks
+
+    p = PhasePeaks()
+    big = np.ones(2**27)  # 1 GiB, touched
+    del big
+    p.mark("big")
+    small = np.ones(2**20)
+    del small
+    p.mark("small")
+    d = p.as_dict()
+    assert d["phase_peak_gib"]["big"] >= 1.0 and d["host_peak_gib"] == d["phase_peak_gib"]["big"]
+    if d["method"].startswith("VmHWM"):
+        assert d["phase_peak_gib"]["small"] < d["phase_peak_gib"]["big"] - 0.5

@@ -27,10 +27,7 @@ def run(trained_tiny):
     FP16 copies, then run_int8 on onnxruntime (8 calibration windows of 18 in the train split, all
     9 val windows)."""
     import torch
-    from onnxruntime.transformers.float16 import convert_float_to_float16
-    from onnxruntime.transformers.onnx_model import OnnxModel
-
-    from wm.export.onnx import OUTPUTS, dynamic_shapes, example_inputs, export_graph, graphs, load_trained
+    from wm.export.onnx import OUTPUTS, dynamic_shapes, example_inputs, export_graph, fp16_model, graphs, load_trained
 
     t = trained_tiny
     torch.set_grad_enabled(False)
@@ -42,9 +39,7 @@ def run(trained_tiny):
     for name, module in graphs(trained).items():
         _, programs[name] = export_graph(module, ex[name], OUTPUTS[name], out / f"{name}.onnx",
                                          dynamic_shapes(trained, name, ex[name], 64))
-        m = OnnxModel(convert_float_to_float16(onnx.load(str(out / f"{name}.onnx")), keep_io_types=True))
-        m.topological_sort()
-        onnx.save(m.model, str(out / f"{name}.fp16.onnx"))
+        onnx.save(fp16_model(onnx.load(str(out / f"{name}.onnx"))), str(out / f"{name}.fp16.onnx"))
     lines = []
     res = I.run_int8(trained, out, calib_windows=8, eval_windows=0, batch=4, log=lines.append, engine="onnxruntime")
     torch.set_grad_enabled(True)
@@ -433,3 +428,23 @@ def test_torch_calibration_matches_onnxruntime(run):
             assert ra == pytest.approx(rb, rel=0.05), (g, t)
             close.append(abs(ra - rb) <= 0.01 * rb)
     assert np.mean(close) >= 0.8, np.mean(close)
+
+
+def test_threshold_workers_equal_the_serial_search_and_a_failure_is_said(monkeypatch):
+    """The entropy search in worker processes gives exactly the serial numbers; workers that cannot
+    run fall back to this process with one note, and the same numbers."""
+    import sys
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    hists = {}
+    for k in range(16):
+        x = np.abs(rng.standard_normal(20000) * (1 + k)) ** (1 + k % 3)
+        hists[f"t{k}"] = np.histogram(x, bins=2048, range=(0, float(x.max())))
+    serial = {t: entropy_threshold(*h) for t, h in hists.items()}
+    lines = []
+    assert I._thresholds(hists, "entropy", workers=2, log=lines.append) == serial and lines == []
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    assert I._thresholds(hists, "entropy", workers=2, log=lines.append) == serial
+    assert len(lines) == 1 and lines[0].startswith("note: threshold workers failed")

@@ -336,6 +336,25 @@ def entropy_threshold(counts, edges, num_bits: int = 8, unsigned: bool = False,
     return float(edges[last_argmin * stride + start_bin])
 
 
+def threshold_job(job) -> float:
+    """One (counts, edges, method) job of the INT8 step: "entropy" or 99.99 "percentile"."""
+    counts, edges, method = job
+    if method == "entropy":
+        return entropy_threshold(counts, edges)
+    return percentile_threshold(counts, edges, 99.99)
+
+
+def worker_main() -> None:
+    """Threshold worker process (wm.export.int8 starts it): a pickled list of jobs on stdin ->
+    the amaxes, pickled, on stdout. Imports numpy only."""
+    import pickle
+    import sys
+
+    jobs = pickle.load(sys.stdin.buffer)
+    pickle.dump([threshold_job(j) for j in jobs], sys.stdout.buffer)
+    sys.stdout.flush()
+
+
 def max_threshold(counts, edges) -> float:
     """Upper edge of the last non-empty bin (>= the true max; HistogramCollector.amax is exact)."""
     c, e = _check_hist(counts, edges)

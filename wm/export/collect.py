@@ -208,6 +208,7 @@ class TappedOrt:
                 model.graph.output.append(onnx.helper.make_tensor_value_info(t, types[t], None))
             so = ort.SessionOptions()
             so.log_severity_level = 3
+            so.enable_cpu_mem_arena = False  # see wm.export.onnx.session
             if self.threads:
                 so.intra_op_num_threads = self.threads
             try:

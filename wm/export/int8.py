@@ -7,8 +7,9 @@ TensorRT's EntropyCalibrator2) and handed to TensorRT in the graph itself:
 
 1. ``wm.export.collect``: real windows of the run's TRAINING split, evenly spread across its scenes,
    streamed through the three graphs; the 2048-bin |x| histogram of every float tensor that feeds a
-   Conv/ConvTranspose/MatMul/Gemm as a data input. On the GPU (the exported programs in PyTorch)
-   where there is one, else onnxruntime on the CPU.
+   Conv/ConvTranspose/MatMul/Gemm as a data input. By default the exported programs run node by
+   node in PyTorch (on the GPU where there is one), so memory stays one forward pass; onnxruntime
+   is the fallback (``engine="onnxruntime"``).
 2. Entropy thresholds (amax) -> scale = amax / 127, zero point 0; except where the range is the
    data's, not a learned activation's (``exact_range_tensors``: rows of the class-embedding and
    codebook tables, the ego-motion inputs), which take their exact max: the entropy search, built
@@ -37,7 +38,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from wm.atomic import write_bytes
-from wm.export.calib import entropy_threshold, percentile_threshold, trt_version_number, write_cache
+from wm.export.calib import threshold_job, trt_version_number, write_cache
 from wm.export.collect import TappedOrt, collect, windows
 from wm.export.qdq import (FLOAT_OP_TYPES, HEAD_SCOPES, QUANT_OP_TYPES, Int8Error, _load, _scope,  # noqa: F401
                            exact_range_tensors, output_heads, qdq_scales, quantizable_inputs, quantize_qdq)
@@ -64,19 +65,14 @@ def _summary(values: Sequence[float]) -> dict:
     return {"n": int(v.size), "min": float(v.min()), "median": float(np.median(v)), "max": float(v.max())}
 
 
-def _threshold_one(args) -> float:
-    counts, edges, method = args
-    if method == "entropy":
-        return entropy_threshold(counts, edges)
-    return percentile_threshold(counts, edges, 99.99)
-
-
-def _thresholds(hists: Mapping[str, tuple[np.ndarray, np.ndarray]], method: str, workers: int = 0) -> dict[str, float]:
+def _thresholds(hists: Mapping[str, tuple[np.ndarray, np.ndarray]], method: str, workers: int = 0,
+                log: Callable[[str], None] = print) -> dict[str, float]:
     """{tensor: amax} by `method` for every histogram. The entropy search costs ~0.1 s per 2048-bin
     histogram, so many tensors are spread over worker processes: fresh interpreters that import only
-    this module (numpy), never a fork of a process holding onnxruntime/torch threads, never a
-    re-import of the caller's main script. Same function on the same arrays: the same numbers as
-    the serial loop, which is also the fallback if a worker cannot be started."""
+    wm.export.calib (numpy only: a worker starts in well under a second), never a fork of a process
+    holding onnxruntime/torch threads, never a re-import of the caller's main script. Same function
+    on the same arrays: the same numbers as the serial loop, which is also the fallback if a worker
+    fails (said in one line, with the worker's last line of stderr)."""
     names = list(hists)
     jobs = [(np.asarray(hists[t][0]), np.asarray(hists[t][1]), method) for t in names]
     workers = int(workers) if workers else min(os.cpu_count() or 1, 16)
@@ -84,9 +80,10 @@ def _thresholds(hists: Mapping[str, tuple[np.ndarray, np.ndarray]], method: str,
     if workers > 1:
         try:
             return dict(zip(names, _in_workers(jobs, workers)))
-        except (OSError, RuntimeError, EOFError, ValueError, TypeError):
-            pass  # below: the same computation here, where a real error shows with its message
-    return {t: _threshold_one(j) for t, j in zip(names, jobs)}
+        except (OSError, RuntimeError, EOFError, ValueError, TypeError) as e:
+            # below: the same computation here, where a real error shows with its message
+            log(f"note: threshold workers failed ({str(e)[:200]}); computing the thresholds in this process")
+    return {t: threshold_job(j) for t, j in zip(names, jobs)}
 
 
 def _in_workers(jobs: list, workers: int) -> list[float]:
@@ -98,20 +95,21 @@ def _in_workers(jobs: list, workers: int) -> list[float]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     chunks = [list(range(w, len(jobs), workers)) for w in range(workers)]
-    code = "from wm.export.int8 import _worker_main; _worker_main()"
+    code = "from wm.export.calib import worker_main; worker_main()"
     procs = []
     try:
         for idx in chunks:
             p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=subprocess.DEVNULL, env=env, cwd=pkg_root)
+                                 stderr=subprocess.PIPE, env=env, cwd=pkg_root)
             procs.append(p)
             p.stdin.write(pickle.dumps([jobs[i] for i in idx], protocol=pickle.HIGHEST_PROTOCOL))
             p.stdin.close()
         out: list = [None] * len(jobs)
         for p, idx in zip(procs, chunks):
             data = p.stdout.read()
+            err = p.stderr.read().decode(errors="replace").strip().splitlines()
             if p.wait() != 0:
-                raise RuntimeError(f"threshold worker exited with {p.returncode}")
+                raise RuntimeError(f"threshold worker exited with {p.returncode}: {err[-1] if err else ''}")
             vals = pickle.loads(data)
             if len(vals) != len(idx):
                 raise RuntimeError("threshold worker returned a wrong count")
@@ -125,33 +123,33 @@ def _in_workers(jobs: list, workers: int) -> list[float]:
                 p.wait()
 
 
-def _worker_main() -> None:
-    """Threshold worker: a pickled list of (counts, edges, method) on stdin -> amaxes on stdout."""
-    import pickle
-    import sys
+def pick_engine(engine: str = "auto", phase: str = "report") -> tuple[str, str]:
+    """(engine, device) for `phase` ("calibration" or "report").
 
-    jobs = pickle.load(sys.stdin.buffer)
-    pickle.dump([_threshold_one(j) for j in jobs], sys.stdout.buffer)
-    sys.stdout.flush()
-
-
-def pick_engine(engine: str = "auto") -> tuple[str, str]:
-    """(engine, device) for calibration and the report: "torch" on CUDA where a GPU is present,
-    else "onnxruntime" on the CPU; "torch" asked for without a GPU runs on the CPU."""
+    "auto": calibration always runs on the torch engine (the exported programs, node by node), on
+    CUDA where a GPU is present, else on the CPU: it streams, so each activation is freed after its
+    last use and the histograms see it on the way. onnxruntime can only show a tensor by making it
+    a graph output, which keeps every tapped tensor of a window alive at once (17.3 GiB at the
+    occworld size for 357 world_step tensors). The report runs on the torch engine on a GPU and on
+    onnxruntime, the files themselves, on a CPU-only host. "torch" asked for without a GPU runs on
+    the CPU; "onnxruntime" runs both phases there."""
     import torch
 
     if engine not in ("auto", "torch", "onnxruntime"):
         raise Int8Error(f"unknown engine {engine!r} (auto, torch, onnxruntime)")
+    if phase not in ("calibration", "report"):
+        raise ValueError(f"unknown phase {phase!r}")
     cuda = torch.cuda.is_available()
     if engine == "auto":
-        engine = "torch" if cuda else "onnxruntime"
+        engine = "torch" if cuda or phase == "calibration" else "onnxruntime"
     return engine, ("cuda" if engine == "torch" and cuda else "cpu")
 
 
 def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_version: str = "10.3.0",
                 root=None, split: Optional[str] = None, method: str = "entropy",
                 exclude_scopes: Optional[str] = None, workers: int = 0, engine: str = "auto",
-                programs: Optional[Mapping] = None, log: Callable[[str], None] = print) -> dict:
+                programs: Optional[Mapping] = None, log: Callable[[str], None] = print,
+                mark: Optional[Callable[[str], object]] = None) -> dict:
     """For each graph `<name>.onnx` in `out_dir` (written by the FP32 export): collect histograms on
     `calib_windows` training windows (engine: see :func:`pick_engine`; "torch" needs `programs`,
     the exported programs export_graph returned), pick the thresholds (`method`: "entropy" =
@@ -162,8 +160,10 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
     method. Returns a JSON-ready dict of what was written, with the seconds of each phase.
 
     `exclude_scopes`: a regex on module paths (e.g. r"\\.temporal\\.") whose Conv/MatMul nodes stay
-    float as well. `workers`: processes for the threshold search (0: one per CPU, at most 16)."""
+    float as well. `workers`: processes for the threshold search (0: one per CPU, at most 16).
+    `mark(phase)` is called at the end of each phase (export.py's per-phase memory peaks)."""
     out_dir = Path(out_dir)
+    mark = mark or (lambda phase: None)
     if method not in ("entropy", "percentile", "max"):
         raise Int8Error(f"unknown calibration method {method!r} (entropy, percentile, max)")
     try:
@@ -174,7 +174,7 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
         if not (out_dir / f"{g}.onnx").is_file():
             raise Int8Error(f"{out_dir / (g + '.onnx')} does not exist; the INT8 step quantizes the FP32 "
                             "export (python export.py writes it first)")
-    engine, device = pick_engine(engine)
+    engine, device = pick_engine(engine, "calibration")
     cfg = trained.cfg
     split = split or cfg.data.train_split
     t0 = time.perf_counter()
@@ -208,6 +208,7 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
     t1 = time.perf_counter()
     cols = collect(make, wanted, cfg, ds, idx, int(batch), log)
     t_hist = time.perf_counter() - t1
+    mark("int8_histograms")
     res = {"calibration": {"split": split, "windows": int(len(idx)), "batch": int(batch), "method": method,
                            "engine": engine, "device": device,
                            "algorithm": "TensorRT EntropyCalibrator2 (pytorch-quantization _compute_amax_entropy)"
@@ -224,9 +225,10 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
         if method == "max":
             thresholds = {t: col.amax(t) for t in todo}
         else:
-            thresholds = _thresholds({t: h for t, h in todo.items() if t not in exact}, method, workers)
+            thresholds = _thresholds({t: h for t, h in todo.items() if t not in exact}, method, workers, log)
             thresholds.update({t: col.amax(t) for t in exact})
         t3 = time.perf_counter()
+        mark("int8_thresholds")
         skip = [n.name for n in model.graph.node if exclude_scopes and re.search(exclude_scopes, _scope(n))]
         info = quantize_qdq(out_dir / f"{g}.onnx", out_dir / f"{g}.int8.onnx", thresholds, nodes_to_exclude=skip)
         scales = info["scales"]
@@ -238,6 +240,7 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
         _write_json(out_dir / f"{g}.calib.json", {"method": method, "trt_version": str(trt_version),
                                                   "tensors": detail})
         t4 = time.perf_counter()
+        mark("int8_qdq")
         t_thr += t3 - t2
         t_qdq += t4 - t3
         clipped = [thresholds[t] / col.amax(t) for t in scales if col.amax(t) > 0]
@@ -274,7 +277,8 @@ def check_windows(trained, calib_windows: int, eval_windows: int, root=None, spl
 
 def run_int8(trained, out_dir, calib_windows: int = 128, eval_windows: int = 64, batch: int = 2,
              trt_version: str = "10.3.0", log: Callable[[str], None] = print, engine: str = "auto",
-             programs: Optional[Mapping] = None, parity_windows: int = 2, **kw) -> dict:
+             programs: Optional[Mapping] = None, parity_windows: int = 2,
+             mark: Optional[Callable[[str], object]] = None, **kw) -> dict:
     """`export.py --int8` after the FP32 (and FP16) export into `out_dir`: int8_export (Q/DQ ONNX +
     calibration caches of every graph), accuracy_report on the VAL split, `report.json` written
     atomically, the table printed through `log`. Returns what report.json holds: {"checkpoint",
@@ -283,12 +287,16 @@ def run_int8(trained, out_dir, calib_windows: int = 128, eval_windows: int = 64,
     `kw` goes to int8_export (root, split, method, exclude_scopes, workers)."""
     out_dir = Path(out_dir)
     q = int8_export(trained, out_dir, calib_windows, batch=batch, trt_version=trt_version, log=log,
-                    engine=engine, programs=programs, **kw)
-    eng, dev = q["calibration"]["engine"], q["calibration"]["device"]
+                    engine=engine, programs=programs, mark=mark, **kw)
+    eng, dev = pick_engine(engine, "report")
+    if q["calibration"]["engine"] == "onnxruntime" and engine == "auto":
+        eng, dev = "onnxruntime", "cpu"  # the programs did not match the files: see int8_export's note
     t0 = time.perf_counter()
     rep = accuracy_report(trained, out_dir, eval_windows, batch=batch, root=kw.get("root"), engine=eng,
                           device=dev, programs=programs, parity_windows=parity_windows, log=log)
     q["seconds"]["report"] = round(time.perf_counter() - t0, 2)
+    if mark:
+        mark("int8_report")
     full = {"checkpoint": str(trained.ckpt), "data_fingerprint": trained.data_fingerprint,
             "int8": q, "accuracy": rep}
     _write_json(out_dir / "report.json", full)

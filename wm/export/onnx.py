@@ -312,10 +312,66 @@ def fold_weight_transposes(model) -> int:
     return len(folded)
 
 
+def fp16_model(model):
+    """The FP16 copy of a float ONNX model, inputs and outputs in their own types: onnxruntime's
+    converter, then two repairs. Before onnxruntime 1.31 the converter adds one Cast per use when a
+    float16 tensor feeds several ops it keeps in float32, all writing the same `<x>_cast_to_fp32`:
+    a graph that is not SSA, which the checker and onnxruntime refuse (seen with 1.30). Identical
+    duplicates are dropped here. It also appends those casts at the end, so the nodes are sorted."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    m = convert_float_to_float16(model, keep_io_types=True)
+    dedupe_nodes(m)
+    om = OnnxModel(m)
+    om.topological_sort()
+    return om.model
+
+
+def dedupe_nodes(model) -> int:
+    """Drop each node that writes an output an earlier node already writes, where both are the same
+    op on the same inputs with the same attributes (so the copy computes the same value); returns
+    how many nodes went. Two *different* writers of one name are a broken graph that is left for
+    the checker to name. value_info keeps one entry per tensor that a node writes: the 1.30
+    converter also leaves entries for initializers, some typed float16 where the initializer
+    stayed float32, which the full checker refuses (value_info is only a hint; onnxruntime and
+    TensorRT infer those types anyway)."""
+    g = model.graph
+    seen: dict[str, tuple] = {}
+    keep_nodes = []
+    for n in g.node:
+        key = (n.op_type, n.domain, tuple(n.input), tuple(a.SerializeToString() for a in n.attribute))
+        outs = [o for o in n.output if o]
+        if outs and all(o in seen and seen[o] == key for o in outs):
+            continue
+        for o in outs:
+            seen.setdefault(o, key)
+        keep_nodes.append(n)
+    dropped = len(g.node) - len(keep_nodes)
+    if dropped:  # by position: RepeatedField.remove would drop the first *equal* node, the original
+        keep_nodes = [type(n).FromString(n.SerializeToString()) for n in keep_nodes]
+        del g.node[:]
+        g.node.extend(keep_nodes)
+    names, keep = set(), []
+    for vi in g.value_info:
+        if vi.name not in names and vi.name in seen:
+            names.add(vi.name)
+            keep.append(vi)
+    if len(keep) != len(g.value_info):
+        del g.value_info[:]
+        g.value_info.extend(keep)
+    return dropped
+
+
 def session(path: Path, threads: int = 0):
+    """An onnxruntime CPU session. Its memory arena is off: with it, each session keeps the largest
+    activations it ever held, and the report holds a session per graph and row (FP32, FP16, INT8),
+    which at the occworld size reached 17.9 GiB of host memory (BENCHMARKS.md). Without it the
+    memory of a run is freed when the run ends."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
+    so.enable_cpu_mem_arena = False
     if threads:
         so.intra_op_num_threads = threads
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
