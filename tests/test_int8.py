@@ -432,8 +432,9 @@ def test_torch_calibration_matches_onnxruntime(run):
 
 def test_calibration_in_frame_groups_sees_the_same_values(run, monkeypatch):
     """Calibration runs the tokenizer graphs on a few frames at a time (memory at the occworld
-    size). The frames are independent, so the counts and ranges are those of one call per batch;
-    with one frame per call (the smallest group) they must not move, and the calls are many more."""
+    size). The frames are independent, so the counts and ranges are those of one call per batch
+    (up to float rounding at bin edges); with one frame per call (the smallest group) they must not
+    move, and the calls are many more."""
     import wm.export.collect as C
     from wm.export.forecast import ProgramGraphs
     from wm.export.report import graph_files
@@ -465,7 +466,9 @@ def test_calibration_in_frame_groups_sees_the_same_values(run, monkeypatch):
         for t in ha:
             assert whole[g].amax(t) == pytest.approx(single[g].amax(t), rel=1e-5), (g, t)
             ca, cb = ha[t][0], hb[t][0]
-            assert ca.sum() == cb.sum() and np.abs(ca - cb).sum() <= 0.001 * ca.sum() + 4, (g, t)
+            # a matmul's summation order depends on its batch size, so float rounding may move a few
+            # values across a bin edge (seen: 10 of 4096 softmax values); ranges and totals are exact
+            assert ca.sum() == cb.sum() and np.abs(ca - cb).sum() <= 0.01 * ca.sum() + 4, (g, t)
 
 
 def test_threshold_workers_equal_the_serial_search_and_a_failure_is_said(monkeypatch):
