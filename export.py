@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from wm.atomic import discard, publish, tmp_path, write_bytes
+from wm.atomic import write_bytes
 from wm.errors import WMError, run_cli
 
 
@@ -168,16 +168,9 @@ def to_fp16(src: Path, dst: Path, module, ex) -> dict:
     """FP16 copy of a graph (wm.export.onnx.fp16_model), checked, published atomically, compared."""
     import onnx
 
-    from wm.export.onnx import compare, fp16_model
+    from wm.export.onnx import compare, fp16_model, save_checked
 
-    m = fp16_model(onnx.load(str(src)))
-    tmp = tmp_path(dst)
-    try:
-        onnx.save(m, str(tmp))
-        onnx.checker.check_model(str(tmp))
-        publish(tmp, dst)
-    finally:
-        discard(tmp)
+    save_checked(fp16_model(onnx.load(str(src))), dst, full_check=False)
     name = src.stem
     return {"file": dst.name, "bytes": dst.stat().st_size,
             "vs_pytorch": {f"batch{b}": compare(module, dst, ex[b][name]) for b in (1, 2)}}

@@ -246,15 +246,27 @@ def explicit_attention():
         F.scaled_dot_product_attention = orig
 
 
+def save_checked(model, path: Path, full_check: bool = True) -> None:
+    """Write an ONNX model to `path` atomically, after onnx.checker's check (with shape and type
+    inference where `full_check`) of the written file; on any failure nothing is left at `path` or
+    beside it (the caller words the error)."""
+    import onnx
+
+    tmp = tmp_path(Path(path))
+    try:
+        onnx.save(model, str(tmp))
+        onnx.checker.check_model(str(tmp), full_check=full_check)
+        publish(tmp, path)
+    finally:
+        discard(tmp)
+
+
 def export_graph(module: nn.Module, inputs: dict[str, torch.Tensor], outputs: list[str], path: Path,
                  dynamic: tuple, quiet: bool = True):
     """torch.onnx.export (dynamo) with the `dynamic` dims (:func:`dynamic_shapes`), checked, written
     atomically. Returns (seconds, the torch.export program the graph was translated from: its FX
     node names are the ONNX tensor names, see wm.export.collect)."""
-    import onnx
-
     path = Path(path)
-    tmp = tmp_path(path)
     t0 = time.perf_counter()
     sink = io.StringIO()
     try:
@@ -266,14 +278,10 @@ def export_graph(module: nn.Module, inputs: dict[str, torch.Tensor], outputs: li
                                      external_data=False, optimize=True)
         model = prog.model_proto
         fold_weight_transposes(model)
-        onnx.save(model, str(tmp))
-        onnx.checker.check_model(str(tmp), full_check=True)
-        publish(tmp, path)
+        save_checked(model, path)
     except OSError as e:
-        discard(tmp)
         raise ExportError(f"cannot write {path}: {e}") from None
     except Exception as e:
-        discard(tmp)
         if isinstance(e, WMError):
             raise
         raise ExportError(f"exporting {path.name} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from e

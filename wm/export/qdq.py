@@ -41,9 +41,10 @@ from typing import Optional
 
 import numpy as np
 
-from wm.atomic import discard, publish, tmp_path
+from wm.atomic import discard, tmp_path
 from wm.errors import WMError
 from wm.export.calib import scale_from_amax
+from wm.export.onnx import save_checked
 
 QUANT_OP_TYPES = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 # Ops that stay float (never read a dequantized tensor). Only QUANT_OP_TYPES are quantized at all and
@@ -481,18 +482,15 @@ def quantize_qdq(onnx_path, out_path, thresholds: Mapping[str, float],
         q = onnx.load(str(tmp))
         rewired = _float_consumers_back(q, model, qset)
         _check_qdq(q, model, qset, scales, tensors, op_types, exclude_op_types, out_path.name)
-        onnx.save(q, str(tmp))
-        onnx.checker.check_model(str(tmp), full_check=True)
-        publish(tmp, out_path)
+        save_checked(q, out_path)
     except OSError as e:
-        discard(tmp)
         raise Int8Error(f"cannot write {out_path}: {e}") from None
     except Exception as e:
-        discard(tmp)
         if isinstance(e, WMError):
             raise
         raise Int8Error(f"quantizing {onnx_path.name} failed: {_one_line(e)}") from e
     finally:
+        discard(tmp)  # the quantizer's own output
         ort_log.setLevel(level)
     n_weights = len(qdq_scales(q)["weights"])
     return {"quantized_nodes": quantized, "float_nodes": float_nodes,
