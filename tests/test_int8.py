@@ -284,6 +284,9 @@ def test_int8_forecaster_runs_and_report_has_every_variant(run):
     fp, ox = acc["models"]["pytorch_fp32"], acc["models"]["onnx_fp32"]
     assert all(abs(d) <= 1e-6 for d in ox["drop_iou"] + ox["drop_miou"] + [ox["drop_iou_avg"], ox["drop_miou_avg"]])
     assert ox["iou"] == pytest.approx(fp["iou"], abs=1e-6) and ox["agreement_vs_pytorch"] == 1.0
+    # paired bootstrap: a row equal to the reference on every window has no spread at all
+    assert ox["drop_iou_avg_se"] == 0.0 and ox["drop_miou_avg_se"] == 0.0 and fp["drop_iou_avg_se"] == 0.0
+    assert acc["models"]["copy_last"]["drop_iou_avg_se"] > 0
     # copy-last needs no model: its geometry IoU of future step 1, recomputed from the val windows
     from wm.data import OccWindows
 
@@ -300,6 +303,29 @@ def test_int8_forecaster_runs_and_report_has_every_variant(run):
         assert any(line.startswith(v) for line in table.splitlines())
     assert rep["int8"]["calibration"]["split"] == "train" and rep["int8"]["calibration"]["windows"] == 8
     assert not list(run.out.glob(".*tmp*"))
+
+
+def test_drop_standard_error_is_the_spread_of_window_resamples():
+    """Two classes (free = 0), one step. The reference is right on every voxel of every window; the
+    row misses k of the 10 occupied voxels of window k. Its IoU on a resample is 1 - sum(k)/(10 W),
+    so the drop's standard error is 100 * std(k) / (10 sqrt(W)) up to the bootstrap's own noise."""
+    import torch
+
+    from wm.export.report import drop_se
+
+    W = 400
+    miss = torch.arange(W) % 5  # 0..4 missed voxels, std sqrt(2)
+    ref = torch.zeros(W, 1, 2, 2, dtype=torch.int64)
+    ref[:, 0, 1, 1] = 10
+    row = ref.clone()
+    row[:, 0, 1, 1] -= miss
+    row[:, 0, 1, 0] += miss
+    se = drop_se({"pytorch_fp32": ref, "row": row}, free=0, resamples=4000)
+    want = 100 * miss.double().std(unbiased=False).item() / (10 * W ** 0.5)
+    assert se["pytorch_fp32"] == (0.0, 0.0)
+    assert se["row"][0] == pytest.approx(want, rel=0.05)  # mIoU here is the one class's IoU: the same
+    assert se["row"][1] == pytest.approx(se["row"][0], rel=1e-9)
+    assert drop_se({"pytorch_fp32": ref[:1], "row": row[:1]}, free=0)["row"] == (None, None)
 
 
 def _small_model(path: Path):

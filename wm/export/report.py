@@ -12,7 +12,11 @@ Rows (IoU / mIoU in percent per future step, averaged; drops against PyTorch FP3
   `parity_windows` windows and gives its voxel agreement with the torch rows (FP32, INT8);
 - ``copy_last``: the last past frame repeated, the floor beside every number.
 
-Each row also has its voxel agreement with PyTorch FP32 and its time per window in its engine.
+Each row also has its voxel agreement with PyTorch FP32 and its time per window in its engine, and
+each drop its standard error (``drop_iou_avg_se``, ``drop_miou_avg_se``): a paired bootstrap over the
+held-out windows. The forecast is an argmax rollout, so a perturbation of any kind (INT8, FP16, or
+only another FP32 kernel) flips near-tied tokens and the futures that follow; the drop measured on
+64 windows then moves by about this much from one run to the next, with no change in the quantizer.
 """
 
 from __future__ import annotations
@@ -93,7 +97,7 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
     ds, idx, root = windows(trained, root, split, held_out_windows, "--eval-windows", log)
     P, S, C, free = cfg.data.past, cfg.data.future, cfg.data.num_classes, cfg.data.free_class
     given = cfg.train.forecast_motion == "given"
-    cms = {v: ConfusionMatrix(C, free, S) for v in variants}
+    per_window = {v: [] for v in variants}  # (S, C, C) counts of each window: the bootstrap resamples them
     agree = {v: [0, 0] for v in variants}
     secs = dict.fromkeys(rows, 0.0)
     parity = {"windows": 0}
@@ -117,7 +121,10 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
             p = preds[v]
             if tuple(p.shape) != tuple(target.shape):
                 raise Int8Error(f"{v}: forecast shape {tuple(p.shape)}, expected {tuple(target.shape)}")
-            cms[v].update(p, target, mask)
+            for i in range(len(p)):
+                cm = ConfusionMatrix(C, free, S)
+                cm.update(p[i:i + 1], target[i:i + 1], None if mask is None else mask[i:i + 1])
+                per_window[v].append(cm.counts)
             agree[v][0] += int((p == ref).sum())
             agree[v][1] += p.numel()
         n = min(len(occ), parity_windows - parity["windows"])
@@ -129,8 +136,11 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
             parity["windows"] += n
         prog.step(len(occ))
     out = {}
+    per_window = {v: torch.stack(c) for v, c in per_window.items()}
     for v in variants:
-        s = cms[v].summary()
+        cm = ConfusionMatrix(C, free, S)
+        cm.counts = per_window[v].sum(0)
+        s = cm.summary()
         out[v] = {"iou": [_num(x) for x in s["iou"]], "miou": [_num(x) for x in s["miou"]],
                   "iou_avg": _num(s["iou_avg"]), "miou_avg": _num(s["miou_avg"]),
                   "agreement_vs_pytorch": agree[v][0] / max(agree[v][1], 1)}
@@ -148,6 +158,8 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
         r["drop_miou"] = [drop(a, b) for a, b in zip(ref["miou"], r["miou"])]
         r["drop_iou_avg"] = drop(ref["iou_avg"], r["iou_avg"])
         r["drop_miou_avg"] = drop(ref["miou_avg"], r["miou_avg"])
+    for v, se in drop_se(per_window, free).items():
+        out[v]["drop_iou_avg_se"], out[v]["drop_miou_avg_se"] = se
     if ort:  # onnxruntime on the files vs the torch rows, voxel by voxel
         parity["onnx_fp32_vs_pytorch_fp32"] = par["onnx_fp32"][0] / max(par["onnx_fp32"][1], 1)
         parity["onnx_int8_vs_emulated_int8"] = par["onnx_int8"][0] / max(par["onnx_int8"][1], 1)
@@ -162,6 +174,34 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
     return res
 
 
+def drop_se(per_window: Mapping[str, torch.Tensor], free: int, ref: str = "pytorch_fp32",
+            resamples: int = 1000, seed: int = 0) -> dict[str, tuple[Optional[float], Optional[float]]]:
+    """{row: (standard error of drop_iou_avg, of drop_miou_avg)} in points, by a paired bootstrap:
+    the same resampled windows for the reference and the row, so what both get wrong alike cancels.
+    per_window: {row: (W, S, C, C) confusion counts of each held-out window}."""
+    from wm.metrics import binary_iou, miou
+
+    counts = per_window[ref]
+    w, s, c = counts.shape[0], counts.shape[1], counts.shape[-1]
+    if w < 2:
+        return {v: (None, None) for v in per_window}
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randint(w, (resamples, w), generator=g)
+    weight = torch.zeros(resamples, w, dtype=torch.float64).scatter_add_(1, pick, torch.ones(resamples, w, dtype=torch.float64))
+
+    def avgs(cnt):  # (W, S, C, C) -> two (resamples,) tensors: IoU and mIoU averaged over the steps
+        boot = torch.einsum("bw,wx->bx", weight, cnt.reshape(w, -1).double()).reshape(resamples * s, c, c)
+        return (binary_iou(boot, free).view(resamples, s).nanmean(1),
+                miou(boot, free).view(resamples, s).nanmean(1))
+
+    r_iou, r_miou = avgs(counts)
+    out = {}
+    for v, cnt in per_window.items():
+        v_iou, v_miou = avgs(cnt)
+        out[v] = tuple(_num(float((a - b).std())) for a, b in ((r_iou, v_iou), (r_miou, v_miou)))
+    return out
+
+
 def format_report(d: Mapping) -> str:
     """The report as a printable table: IoU and mIoU per future step and averaged, the drops of the
     averages against PyTorch FP32, voxel agreement with it, and time per window."""
@@ -170,18 +210,22 @@ def format_report(d: Mapping) -> str:
     def f(x, w=6, p=2):
         return f"{x:{w}.{p}f}" if x is not None else f"{'-':>{w}}"
 
+    def pm(r, k):  # "0.31 ± 0.12"; reports written before the standard errors: the drop alone
+        se = r.get(f"drop_{k}_avg_se")
+        return f(r[f"drop_{k}_avg"]) + (f" ± {se:4.2f}" if se is not None else " " * 7)
+
     steps = " ".join(f"{'s' + str(s + 1):>6}" for s in range(S))
     head = (f"{'model':<14} IoU  {steps} {'avg':>6} | mIoU {steps} {'avg':>6} | "
-            f"{'dIoU':>6} {'dmIoU':>6} | {'agree':>6} | {'ms/win':>8}")
+            f"{'dIoU':>13} {'dmIoU':>13} | {'agree':>6} | {'ms/win':>8}")
     lines = [f"held-out: {d['windows']} windows of split {d['split']!r}, IoU/mIoU in percent per future step; "
-             f"d = drop vs pytorch_fp32; ms/win = time per window in the row's engine (engine {d['engine']})",
+             f"d = drop vs pytorch_fp32 (± its standard error over the windows); ms/win = time per window in the row's engine (engine {d['engine']})",
              head, "-" * len(head)]
     for v, r in d["models"].items():
         iou = " ".join(f(x) for x in r["iou"])
         miou = " ".join(f(x) for x in r["miou"])
         ms = f"{r['ms_per_window']:8.1f}" if "ms_per_window" in r else f"{'-':>8}"
         lines.append(f"{v:<14}      {iou} {f(r['iou_avg'])} |      {miou} {f(r['miou_avg'])} | "
-                     f"{f(r['drop_iou_avg'])} {f(r['drop_miou_avg'])} | {f(r['agreement_vs_pytorch'], 6, 4)} | {ms}")
+                     f"{pm(r, 'iou')} {pm(r, 'miou')} | {f(r['agreement_vs_pytorch'], 6, 4)} | {ms}")
     if "parity" in d:
         p = d["parity"]
         lines.append(f"parity on {p['windows']} windows (voxels equal): " +
