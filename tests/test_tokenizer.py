@@ -264,3 +264,34 @@ def test_validate_and_grid_errors():
     m = Tokenizer(tiny_cfg(), 6, (16, 16, 2))
     with pytest.raises(ValueError):
         m.encode(torch.zeros(1, 16, 16, 3, dtype=torch.uint8))
+
+
+def test_class_weights_from_frequencies_by_hand():
+    """class_weight_power p: weight (share) ** -p relative to the most frequent class, capped at
+    class_weight_max; a class never seen gets the cap."""
+    m = Tokenizer(tiny_cfg(class_weight_power=0.5, class_weight_max=20.0), 4, (8, 8, 2))
+    w = m.set_class_frequencies([900, 100, 1, 0])
+    # shares .9, .1, .001, 0 -> (.9/.1) ** .5 = 3, (.9/.001) ** .5 = 30 -> capped 20, unseen -> 20
+    assert w.tolist() == pytest.approx([1.0, 3.0, 20.0, 20.0])
+    assert "class_weights" not in m.state_dict()  # follows from data + config, not saved
+    with pytest.raises(DataError):
+        m.set_class_frequencies([1, 2, 3])
+
+
+def test_class_weighted_ce_is_torchs_weighted_mean_and_power_0_is_plain_ce():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 8, 8, 2)
+    occ = torch.randint(0, 4, (2, 8, 8, 2))
+    vq = torch.tensor(0.0)
+    plain = Tokenizer(tiny_cfg(lovasz_weight=0.0), 4, (8, 8, 2))
+    plain.set_class_frequencies([900, 100, 1, 0])  # ignored at power 0: OccWorld's plain CE
+    assert plain.loss(logits, occ, vq)["ce"].item() == pytest.approx(torch.nn.functional.cross_entropy(logits, occ).item())
+    m = Tokenizer(tiny_cfg(lovasz_weight=0.0, class_weight_power=1.0, class_weight_max=5.0), 4, (8, 8, 2))
+    w = m.set_class_frequencies([900, 100, 1, 0])  # 1, 9, 5 (cap), 5
+    nll = -torch.log_softmax(logits, 1).gather(1, occ[:, None])[:, 0]
+    by_hand = (w[occ] * nll).sum() / w[occ].sum()
+    assert m.loss(logits, occ, vq)["ce"].item() == pytest.approx(by_hand.item(), rel=1e-5)
+    for bad in ({"class_weight_power": -0.1}, {"class_weight_power": 3.0}, {"class_weight_max": 0.5}):
+        with pytest.raises(ConfigError) as e:
+            TokenizerConfig(**bad).validate()
+        assert e.value.key == next(iter(bad))

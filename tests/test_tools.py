@@ -105,3 +105,16 @@ def test_bench_data_writes_figures(tmp_path):
     # small fields spread over 28 frames (under 100 bytes a frame)
     assert 1024 + 136 <= d["layouts"]["memmap"]["bytes_per_frame"] < 1024 + 136 + 100
     assert "memmap" in p.stdout and "npz" in p.stdout
+
+
+def test_bev_can_show_moving_objects_under_a_canopy():
+    from wm.viz import bev, palette
+
+    occ = np.full((4, 4, 4), 17, np.uint8)
+    occ[1, 2, 0] = 4  # a car...
+    occ[1, 2, 3] = 16  # ...under a tree crown
+    pal = palette(18, 17)
+    plain, shown = bev(occ, 18, 17), bev(occ, 18, 17, prefer=[4, 7])
+    # image row = 3 - y, column = x
+    assert tuple(plain[1, 1]) == tuple(pal[16]) and tuple(shown[1, 1]) == tuple(pal[4])
+    assert np.array_equal(np.delete(plain.reshape(16, 3), 5, 0), np.delete(shown.reshape(16, 3), 5, 0))

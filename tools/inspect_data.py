@@ -1,6 +1,8 @@
 """Look at a data set: what is in it, whether it is intact, and what its frames look like.
 
-    python tools/inspect_data.py DATA                      # summary: scenes, frames, grid, classes, bytes
+    python tools/inspect_data.py DATA                      # summary: scenes, frames, grid, bytes, and
+                                                           # class shares, occupancy by height, visible
+                                                           # share beside two Occ3D frames'
     python tools/inspect_data.py DATA --verify             # + recompute every shard's sha256
     python tools/inspect_data.py DATA --png out/           # + out/frame.png and out/window.png
     python tools/inspect_data.py DATA --png out/ --split val --window 12 --past 5 --future 6
@@ -23,23 +25,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from wm.config import DataConfig  # noqa: E402
 from wm.data import OccWindows  # noqa: E402
+from wm.datastats import FACTOR, compare, sample_counts, stats_from_counts  # noqa: E402
 from wm.errors import DataError, run_cli  # noqa: E402
 from wm.shards import MANIFEST, Shard, load_manifest, verify  # noqa: E402
 from wm.viz import class_palette, figure, write_png  # noqa: E402
 
 
-def class_histogram(shards: list[Shard], num_classes: int, sample: int) -> tuple[np.ndarray, int]:
-    """Voxel counts per class over `sample` frames spread evenly over the shards (all if 0)."""
-    total = sum(s.num_frames for s in shards)
-    picks = np.arange(total) if not sample or sample >= total else \
-        np.linspace(0, total - 1, sample).round().astype(np.int64)
-    starts = np.cumsum([0] + [s.num_frames for s in shards])
-    hist = np.zeros(num_classes, np.int64)
-    for g in picks:
-        sid = int(np.searchsorted(starts, g, side="right") - 1)
-        frame = shards[sid].read("occ", int(g - starts[sid]), int(g - starts[sid]) + 1)
-        hist += np.bincount(frame.ravel(), minlength=num_classes)[:num_classes]
-    return hist, len(picks)
+def print_stats(stats: dict, class_names, free: int, pal: np.ndarray) -> None:
+    """Class shares, and every figure with a reference band beside the two Occ3D frames' range."""
+    print(f"classes over {stats['frames']} frames (percent of all voxels; occupied {stats['occupied']:.2f} %):")
+    for name, v in sorted(stats["classes"].items(), key=lambda kv: -kv[1]):
+        c = class_names.index(name)
+        print(f"  {c:>3} {name:<22}{v:>8.3f} %   rgb{tuple(int(x) for x in pal[c])}")
+    print(f"against two Occ3D-nuScenes frames (range = lowest / {FACTOR:g} .. highest x {FACTOR:g}, in %):")
+    for what, v, lo, hi, ok in compare(stats):
+        print(f"  {what:<18}{v:>8.2f}   [{lo:6.2f}, {hi:6.2f}]  {'ok' if ok else 'outside'}")
 
 
 def main(argv=None) -> int:
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("root", help="data set folder (holds manifest.json)")
     ap.add_argument("--verify", action="store_true", help="recompute every shard's sha256")
     ap.add_argument("--sample", type=int, default=256,
-                    help="frames read for the class histogram (0 = all)")
+                    help="frames read for the statistics (0 = all)")
     ap.add_argument("--png", metavar="DIR", help="write frame.png and window.png into DIR")
     ap.add_argument("--split", default="train")
     ap.add_argument("--window", type=int, default=0, help="window index to draw")
@@ -83,13 +83,9 @@ def main(argv=None) -> int:
         kinds = ",".join(sorted({e["kind"] for e in es}))
         print(f"{sp:<8}{len(es):>7}{kinds:>14}{sum(e['scenes'] for e in es):>8}{frames:>9}"
               f"{size / 2**20:>10.1f}{size / frames:>10.0f}{raw * frames / size:>7.1f}x")
-    hist, n = class_histogram(all_shards, info.num_classes, a.sample)
-    frac = hist / max(1, hist.sum())
-    print(f"class histogram over {n} frames (free fraction {frac[info.free_class]:.3f}):")
-    pal = class_palette(info.class_names, info.free_class, info.class_colors)
-    for c in np.argsort(-hist):
-        if hist[c]:
-            print(f"  {c:>3} {info.class_names[c]:<22}{frac[c] * 100:>8.3f} %   rgb{tuple(int(v) for v in pal[c])}")
+    counts = sample_counts(all_shards, info, a.sample)
+    print_stats(stats_from_counts(counts, info.free_class, info.class_names), list(info.class_names),
+                info.free_class, class_palette(info.class_names, info.free_class, info.class_colors))
 
     status = 0
 

@@ -65,6 +65,12 @@ class TokenizerConfig:
     vq_weight: float = 1.0  # weight of the vector-quantizer loss
     dead_code_steps: int = 100  # reset codes unused for this many training forwards; 0 = never
     checkpoint_every: int = 0  # activation checkpointing: 0 off, 1 every block, k every k-th block
+    # Frequency-weighted cross-entropy: class c weighs (share of c in the training data) ** -power,
+    # capped at class_weight_max times the lightest class (the free class). 0: plain CE (OccWorld);
+    # 0.5: inverse square root of the frequency; 1: inverse frequency. Small dynamic objects are a
+    # few voxels in thousands: plain CE can ignore them at almost no cost.
+    class_weight_power: float = 0.0  # CE class weight = (class share) ** -power; 0 = plain CE
+    class_weight_max: float = 100.0  # cap on a class's CE weight, relative to the lightest class
 
     @classmethod
     def occworld(cls) -> "TokenizerConfig":
@@ -102,6 +108,10 @@ class TokenizerConfig:
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise ConfigError(name, f"must be a finite number >= 0, got {v}")
+        if not (0 <= self.class_weight_power <= 2):
+            raise ConfigError("class_weight_power", f"must be in [0, 2] (0 = plain CE), got {self.class_weight_power}")
+        if not (self.class_weight_max >= 1 and math.isfinite(self.class_weight_max)):
+            raise ConfigError("class_weight_max", f"must be a finite number >= 1, got {self.class_weight_max}")
         if self.dead_code_steps < 0:
             raise ConfigError("dead_code_steps", f"must be >= 0 (0 = off), got {self.dead_code_steps}")
         if self.checkpoint_every < 0:
@@ -383,13 +393,16 @@ def lovasz_softmax(probs: Tensor, labels: Tensor, present_only: bool = True) -> 
     return _LovaszSoftmax.apply(probs, labels.long(), present_only)
 
 
-def masked_cross_entropy(logits: Tensor, target: Tensor, mask: Tensor) -> Tensor:
+def masked_cross_entropy(logits: Tensor, target: Tensor, mask: Tensor, weight: Tensor | None = None) -> Tensor:
     """Cross-entropy averaged over the positions where `mask` (shaped like `target`) is nonzero:
     logits (N, C, ...), target (N, ...) long. A masked-out position's label has no effect on the
-    value or the gradient (its gradient is exactly 0); all masked out gives 0, not NaN."""
+    value or the gradient (its gradient is exactly 0); all masked out gives 0, not NaN. With
+    `weight` (C,) class weights (each >= 1), the kept terms are weighted and divided by the sum of
+    their weights, as F.cross_entropy(weight=...) does."""
     keep = mask != 0
-    per = F.cross_entropy(logits, target, reduction="none")
-    return torch.where(keep, per, 0.0).sum() / keep.sum().clamp_min(1)
+    per = F.cross_entropy(logits, target, weight=weight, reduction="none")
+    norm = keep.sum() if weight is None else torch.where(keep, weight[target], 0.0).sum()
+    return torch.where(keep, per, 0.0).sum() / norm.clamp_min(1)
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -462,6 +475,8 @@ class Tokenizer(nn.Module):
         self.decoder = nn.ModuleList(dec)
         self.dec_norm = norm(w0)
         self.dec_out = nn.Conv2d(w0, cin, 3, 1, 1)
+        # per-class CE weights (set_class_frequencies); not saved: they follow from the data and config
+        self.register_buffer("class_weights", torch.ones(num_classes), persistent=False)
 
     # -- helpers
     @property
@@ -510,6 +525,19 @@ class Tokenizer(nn.Module):
         n, _, x, y = h.shape
         h = h.reshape(n, self.grid[2], self.cfg.embed_dim, x, y)
         return torch.einsum("nzexy,ce->ncxyz", h, self.class_embed.weight)  # transposed class embedding
+
+    def set_class_frequencies(self, counts) -> Tensor:
+        """Set the CE class weights from per-class voxel counts of the training data (see
+        TokenizerConfig.class_weight_power); classes never seen get the cap. Returns the weights."""
+        cfg = self.cfg
+        f = torch.as_tensor(counts, dtype=torch.float64)
+        if f.shape != (self.num_classes,):
+            raise DataError(f"tokenizer: class counts must have {self.num_classes} entries, got {tuple(f.shape)}")
+        f = f / f.sum().clamp_min(1)
+        w = torch.where(f > 0, f.clamp_min(1e-12) ** -cfg.class_weight_power, torch.full_like(f, math.inf))
+        w = (w / w.min()).clamp_max(cfg.class_weight_max)
+        self.class_weights.copy_(w.to(self.class_weights))
+        return self.class_weights
 
     def _n_enc_blocks(self) -> int:
         return sum(isinstance(b, (ResBlock, AttnBlock)) for b in self.encoder)
@@ -565,10 +593,11 @@ class Tokenizer(nn.Module):
         cfg = self.cfg
         logits = logits.reshape(-1, *logits.shape[-4:])
         target = occ.long().reshape(-1, *occ.shape[-3:])
+        weight = self.class_weights.to(logits.dtype) if cfg.class_weight_power > 0 else None
         if mask is None:
-            ce = F.cross_entropy(logits, target)
+            ce = F.cross_entropy(logits, target, weight=weight)
         else:
-            ce = masked_cross_entropy(logits, target, mask.reshape(target.shape))
+            ce = masked_cross_entropy(logits, target, mask.reshape(target.shape), weight)
         if cfg.lovasz_weight > 0:
             probs = logits.float().softmax(1).movedim(1, -1).reshape(-1, self.num_classes)
             labels = target.reshape(-1)

@@ -48,6 +48,7 @@ from wm.config import (Config, DataConfig, StageConfig, from_dict, load as load_
 from wm.data import (CodeWindows, OccWindows, ResumableSampler, check_against_config, ignore_stop_signals, make_loader,
                      resolve_root, start_workers)
 from wm.atomic import write_bytes
+from wm.datastats import DYNAMIC_CLASSES, sample_counts
 from wm.errors import ConfigError, DataError, WMError, first_line
 from wm.logs import Logger, eta
 from wm.evaluate import autocast, eval_batches, evaluate_run, forecast, frames_config, reconstruction
@@ -381,6 +382,12 @@ class TokenizerStage:
                                  dataclasses.replace(fc, max_windows=cfg.data.max_windows))
         torch.manual_seed(cfg.run.seed)  # the initial weights follow run.seed (torch seeds randomly)
         self.model = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
+        self.class_names = run.manifest.info.class_names
+        if cfg.tokenizer.class_weight_power > 0:  # from the training data, the same on every resume
+            counts = sample_counts(self.train_ds.shards, self.train_ds.manifest.info, CLASS_COUNT_FRAMES)
+            w = self.model.set_class_frequencies(counts["classes"])
+            run.say("tokenizer: class weights " + ", ".join(
+                f"{n} {float(v):.1f}" for n, v in zip(self.class_names, w) if float(v) > 1.05))
 
     def loss(self, model: nn.Module, batch: dict) -> dict:
         # the mask is in the batch only with data.use_mask (stage_data)
@@ -408,8 +415,10 @@ class TokenizerStage:
                            keep_first=d.is_main and cfg.train.images)
         pics = [("val/recon_gt_top_pred_bottom", r.first)] if r.first else []
         s = r.cm.summary()
-        return {"val/iou": s["iou"][0], "val/miou": s["miou"][0],
-                "val/code_usage": r.code_usage, "val/perplexity": r.perplexity}, pics
+        out = {"val/iou": s["iou"][0], "val/miou": s["miou"][0],
+               "val/code_usage": r.code_usage, "val/perplexity": r.perplexity}
+        out.update(class_scalars(s, self.class_names, cfg.data.free_class, "val/class_iou/"))
+        return out, pics
 
 
 class WorldStage:
@@ -464,12 +473,29 @@ class WorldStage:
         a, b = f.ours.summary(), f.base.summary()
         out = {"val/iou": a["iou_avg"], "val/miou": a["miou_avg"],
                "val/copy_last_iou": b["iou_avg"], "val/copy_last_miou": b["miou_avg"]}
+        names, free = self.run.manifest.info.class_names, cfg.data.free_class
+        out.update(class_scalars(a, names, free, "val/class_iou/", per_step=DYNAMIC_CLASSES))
+        out.update(class_scalars(b, names, free, "val/copy_last_class_iou/", per_step=DYNAMIC_CLASSES))
         for t in range(S):
             out[f"val/iou_t{t + 1}"] = a["iou"][t]
             out[f"val/miou_t{t + 1}"] = a["miou"][t]
             out[f"val/copy_last_iou_t{t + 1}"] = b["iou"][t]
             out[f"val/copy_last_miou_t{t + 1}"] = b["miou"][t]
         return out, pics
+
+
+CLASS_COUNT_FRAMES = 256  # training frames read for the class frequencies behind the CE weights
+
+
+def class_scalars(summary: dict, names, free: int, prefix: str, per_step=()) -> dict:
+    """Per-class IoU scalars from a ConfusionMatrix summary: <prefix><class> (averaged over the
+    steps) for every non-free class, and <prefix><class>_t<k> per future step for the classes in
+    `per_step`. Classes with no ground truth and no prediction are None (not logged)."""
+    out = {f"{prefix}{n}": summary["per_class_avg"][c] for c, n in enumerate(names) if c != free}
+    for c, n in enumerate(names):
+        if n in per_step:
+            out.update({f"{prefix}{n}_t{t + 1}": row[c] for t, row in enumerate(summary["per_class"])})
+    return out
 
 
 def tokenizer_checkpoint(run: Run) -> tuple[Path, dict]:
@@ -850,9 +876,7 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
             evaluated = True
             log.scalars(step, last_val, kind=f"{stage.name}/val")
             for tag, frames in pics:  # BEV pictures in the data set's colours, with a legend
-                info = run.manifest.info
-                log.image(tag, step, figure([list(frames[0]), list(frames[1])], info.class_names, info.free_class,
-                                            info.class_colors, titles=["ground truth", "prediction"]))
+                log.image(tag, step, bev_pair(frames, run.manifest.info))
             v = last_val.get(s.best_metric)
             if v is None:
                 raise WMError(f"{stage.name}_stage.best_metric {s.best_metric!r} is not a validation "
@@ -860,7 +884,7 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
             better = best is None or (v > best if s.best_mode == "max" else v < best)
             best, stale = (v, 0) if better else (best, stale + 1)
             log.console(f"{stage.name} step {step} validation: " + ", ".join(
-                f"{k[4:]} {last_val[k]:.2f}" for k in sorted(last_val) if "_t" not in k))
+                f"{k[4:]} {last_val[k]:.2f}" for k in sorted(last_val) if "_t" not in k and "class_iou" not in k))
             if s.early_stop and stale >= s.early_stop:
                 stop_reason = f"early stop: {s.best_metric} did not improve for {stale} validations"
 
@@ -889,6 +913,14 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
     if stop_reason:
         run.say(f"{stage.name}: {stop_reason}")
     return last_val
+
+
+def bev_pair(frames: list, info) -> np.ndarray:
+    """Ground truth above, model below: BEV pictures (wm.viz.figure) with a legend, moving objects
+    drawn over whatever is above them (a car under a tree shows as the car)."""
+    dyn = [c for c, n in enumerate(info.class_names) if n in DYNAMIC_CLASSES]
+    return figure([list(frames[0]), list(frames[1])], info.class_names, info.free_class, info.class_colors,
+                  titles=["ground truth", "prediction"], prefer=dyn)
 
 
 class Preempted(Exception):
@@ -960,7 +992,26 @@ def final_table(cfg: Config, results: dict) -> str:
             cells = "".join(f"{r.get(f'{pre}iou_t{t + 1}', float('nan')):>7.2f}/{r.get(f'{pre}miou_t{t + 1}', float('nan')):<6.2f}"
                             for t in range(S))
             lines.append(f"{name:<10}{cells}{r.get(pre + 'iou', float('nan')):>7.2f}/{r.get(pre + 'miou', float('nan')):<6.2f}")
+        lines += dynamic_table(r, S)
     return "\n".join(lines)
+
+
+def dynamic_table(r: dict, S: int) -> list[str]:
+    """Rows of the dynamic classes' forecast IoU per future step, forecast / copy-last (the classes
+    the validation windows hold; '-' where a step has none of that class)."""
+    def cell(v):
+        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.1f}"
+
+    rows = []
+    for n in DYNAMIC_CLASSES:
+        vals = [(r.get(f"val/class_iou/{n}_t{t + 1}"), r.get(f"val/copy_last_class_iou/{n}_t{t + 1}")) for t in range(S)]
+        if all(a is None and b is None for a, b in vals):
+            continue
+        avg = (r.get(f"val/class_iou/{n}"), r.get(f"val/copy_last_class_iou/{n}"))
+        rows.append(f"{n[:10]:<10}" + "".join(f"{cell(a) + ' / ' + cell(b):>14}" for a, b in vals + [avg]))
+    if rows:
+        rows.insert(0, "dynamic classes, IoU per future step, forecast / copy-last:")
+    return rows
 
 
 def _collective_failure(e: BaseException) -> bool:
@@ -977,7 +1028,9 @@ def make_summary(cfg: Config, results: dict) -> dict:
     if "tokenizer" in results:
         r = results["tokenizer"]
         out["tokenizer"] = {"recon_iou": r.get("val/iou"), "recon_miou": r.get("val/miou"),
-                            "code_usage": r.get("val/code_usage")}
+                            "code_usage": r.get("val/code_usage"),
+                            "recon_class_iou": {k[len("val/class_iou/"):]: v for k, v in r.items()
+                                                if k.startswith("val/class_iou/")}}
     if "world" in results:
         r, S = results["world"], cfg.data.future
         out["world"] = {"forecast_motion": cfg.train.forecast_motion,
@@ -988,7 +1041,11 @@ def make_summary(cfg: Config, results: dict) -> dict:
                         "copy_last_miou": [r.get(f"val/copy_last_miou_t{t + 1}") for t in range(S)],
                         "iou_avg": r.get("val/iou"), "miou_avg": r.get("val/miou"),
                         "copy_last_iou_avg": r.get("val/copy_last_iou"),
-                        "copy_last_miou_avg": r.get("val/copy_last_miou")}
+                        "copy_last_miou_avg": r.get("val/copy_last_miou"),
+                        "class_iou": {n: [r.get(f"val/class_iou/{n}_t{t + 1}") for t in range(S)]
+                                      for n in DYNAMIC_CLASSES},
+                        "copy_last_class_iou": {n: [r.get(f"val/copy_last_class_iou/{n}_t{t + 1}")
+                                                for t in range(S)] for n in DYNAMIC_CLASSES}}
     return out
 
 

@@ -130,9 +130,13 @@ def palette(num_classes: int, free_class: int, class_names: Optional[Sequence[st
     return class_palette(class_names, free_class, colors)
 
 
-def top_class(occ: np.ndarray, free_class: int) -> np.ndarray:
-    """(..., X, Y, Z) labels -> (..., X, Y): class of the highest non-free voxel (free if none)."""
+def top_class(occ: np.ndarray, free_class: int, prefer=()) -> np.ndarray:
+    """(..., X, Y, Z) labels -> (..., X, Y): class of the highest non-free voxel (free if none);
+    a column holding any class of `prefer` shows the highest of those instead (a car under a tree)."""
     occupied = occ != free_class
+    if len(prefer):
+        shown = np.isin(occ, prefer)
+        occupied = np.where(shown.any(-1, keepdims=True), shown, occupied)
     Z = occ.shape[-1]
     # index of the highest occupied level: argmax over the reversed z axis finds the first True
     top = Z - 1 - np.argmax(occupied[..., ::-1], axis=-1)
@@ -140,10 +144,12 @@ def top_class(occ: np.ndarray, free_class: int) -> np.ndarray:
     return np.where(occupied.any(-1), cls, free_class).astype(np.uint8)
 
 
-def bev(occ: np.ndarray, num_classes: int, free_class: int, pal: Optional[np.ndarray] = None) -> np.ndarray:
-    """(X, Y, Z) labels -> (Y, X, 3) uint8 image, x to the right (forward) and y up (left)."""
+def bev(occ: np.ndarray, num_classes: int, free_class: int, pal: Optional[np.ndarray] = None,
+        prefer=()) -> np.ndarray:
+    """(X, Y, Z) labels -> (Y, X, 3) uint8 image, x to the right (forward) and y up (left);
+    `prefer`: see top_class."""
     pal = palette(num_classes, free_class) if pal is None else pal
-    rgb = pal[top_class(occ, free_class)]  # (X, Y, 3)
+    rgb = pal[top_class(occ, free_class, prefer)]  # (X, Y, 3)
     return np.ascontiguousarray(rgb.transpose(1, 0, 2)[::-1])
 
 
@@ -230,17 +236,18 @@ def legend(class_names: Sequence[str], pal: np.ndarray, width: int, free_class: 
 
 def figure(rows: Sequence[Sequence[Optional[np.ndarray]]], class_names: Sequence[str], free_class: int,
            colors: Optional[dict] = None, titles: Optional[Sequence[str]] = None, min_px: int = 256,
-           scale: int = 0) -> np.ndarray:
+           scale: int = 0, prefer=()) -> np.ndarray:
     """The picture of one or more rows of (X, Y, Z) frames (None in a row: a past|future gap): BEV
     maps in the data set's colours, enlarged by nearest neighbour so a frame is at least `min_px`
-    wide (or `scale` pixels per voxel when given), a title over each row, a legend of every class."""
+    wide (or `scale` pixels per voxel when given), a title over each row, a legend of every class;
+    `prefer`: see top_class."""
     pal = class_palette(class_names, free_class, colors)
     frames = [f for r in rows for f in r if f is not None]
     k = scale or max(1, math.ceil(min_px / frames[0].shape[0]))
     gap = max(2, k)
     strips = []
     for r in rows:
-        ims = [bev(f, len(class_names), free_class, pal) if f is not None else None for f in r]
+        ims = [bev(f, len(class_names), free_class, pal, prefer) if f is not None else None for f in r]
         h = next(im.shape[0] for im in ims if im is not None)
         ims = [im if im is not None else np.full((h, max(2, h // 8), 3), GAP_GREY, np.uint8) for im in ims]
         strips.append(tile(ims, gap=gap, scale=k))
