@@ -278,7 +278,7 @@ def test_class_weights_from_frequencies_by_hand():
         m.set_class_frequencies([1, 2, 3])
 
 
-def test_class_weighted_ce_is_torchs_weighted_mean_and_power_0_is_plain_ce():
+def test_class_weighted_ce_by_hand_and_power_0_is_plain_ce():
     torch.manual_seed(0)
     logits = torch.randn(2, 4, 8, 8, 2)
     occ = torch.randint(0, 4, (2, 8, 8, 2))
@@ -289,7 +289,7 @@ def test_class_weighted_ce_is_torchs_weighted_mean_and_power_0_is_plain_ce():
     m = Tokenizer(tiny_cfg(lovasz_weight=0.0, class_weight_power=1.0, class_weight_max=5.0), 4, (8, 8, 2))
     w = m.set_class_frequencies([900, 100, 1, 0])  # 1, 9, 5 (cap), 5
     nll = -torch.log_softmax(logits, 1).gather(1, occ[:, None])[:, 0]
-    by_hand = (w[occ] * nll).sum() / w[occ].sum()
+    by_hand = (w[occ] * nll).mean()  # over voxels: a batch-independent normaliser (DDP-exact)
     assert m.loss(logits, occ, vq)["ce"].item() == pytest.approx(by_hand.item(), rel=1e-5)
     for bad in ({"class_weight_power": -0.1}, {"class_weight_power": 3.0}, {"class_weight_max": 0.5}):
         with pytest.raises(ConfigError) as e:

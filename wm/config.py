@@ -244,7 +244,9 @@ class StageConfig:
 # holds OccWorld's sizes and recipe.
 # The stages' batch_size is 0: both inherit data.batch_size unless a config sets their own.
 def _tokenizer_stage() -> StageConfig:
-    return StageConfig(epochs=3, lr=2e-3, warmup_steps=30, batch_size=0, best_metric="val/miou")
+    # 6 epochs: on the Occ3D-like synthetic scenes 3 left reconstruction at 44 IoU / 25 mIoU, 6 reach
+    # 53 / 32 (class-weighted CE, 512 codes); the world stage keeps its 5
+    return StageConfig(epochs=6, lr=2e-3, warmup_steps=30, batch_size=0, best_metric="val/miou")
 
 
 def _world_stage() -> StageConfig:
@@ -252,9 +254,11 @@ def _world_stage() -> StageConfig:
 
 
 def _demo_tokenizer() -> TokenizerConfig:
-    # Lovasz-softmax off in the demo: on a CPU it is 60 % of a tokenizer step, and cross-entropy
-    # alone reaches ~95 % reconstruction IoU on the synthetic scenes in three epochs.
-    return TokenizerConfig(lovasz_weight=0.0)
+    # Measured on the synthetic scenes (64x64x8, 2 CPU cores): Lovasz-softmax off (on a CPU it is
+    # most of a tokenizer step, and at equal steps it did not lift mIoU); class-weighted CE (power
+    # 0.5: cars, buses, trucks appear in the reconstruction, 21 -> 25 mIoU at 3 epochs, for some
+    # IoU); 512 codes of 64 dims (nearly all in use).
+    return TokenizerConfig(lovasz_weight=0.0, class_weight_power=0.5, codebook_size=512, code_dim=64)
 
 
 @dataclass

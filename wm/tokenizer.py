@@ -66,9 +66,10 @@ class TokenizerConfig:
     dead_code_steps: int = 100  # reset codes unused for this many training forwards; 0 = never
     checkpoint_every: int = 0  # activation checkpointing: 0 off, 1 every block, k every k-th block
     # Frequency-weighted cross-entropy: class c weighs (share of c in the training data) ** -power,
-    # capped at class_weight_max times the lightest class (the free class). 0: plain CE (OccWorld);
-    # 0.5: inverse square root of the frequency; 1: inverse frequency. Small dynamic objects are a
-    # few voxels in thousands: plain CE can ignore them at almost no cost.
+    # capped at class_weight_max times the lightest class (the free class), the weighted terms
+    # averaged over voxels. 0: plain CE (OccWorld); 0.5: inverse square root of the frequency; 1:
+    # inverse frequency. Small dynamic objects are a few voxels in thousands: plain CE can ignore
+    # them at almost no cost.
     class_weight_power: float = 0.0  # CE class weight = (class share) ** -power; 0 = plain CE
     class_weight_max: float = 100.0  # cap on a class's CE weight, relative to the lightest class
 
@@ -397,12 +398,11 @@ def masked_cross_entropy(logits: Tensor, target: Tensor, mask: Tensor, weight: T
     """Cross-entropy averaged over the positions where `mask` (shaped like `target`) is nonzero:
     logits (N, C, ...), target (N, ...) long. A masked-out position's label has no effect on the
     value or the gradient (its gradient is exactly 0); all masked out gives 0, not NaN. With
-    `weight` (C,) class weights (each >= 1), the kept terms are weighted and divided by the sum of
-    their weights, as F.cross_entropy(weight=...) does."""
+    `weight` (C,) class weights, the kept terms are weighted and still divided by the number of
+    kept positions (not by the sum of their weights)."""
     keep = mask != 0
     per = F.cross_entropy(logits, target, weight=weight, reduction="none")
-    norm = keep.sum() if weight is None else torch.where(keep, weight[target], 0.0).sum()
-    return torch.where(keep, per, 0.0).sum() / norm.clamp_min(1)
+    return torch.where(keep, per, 0.0).sum() / keep.sum().clamp_min(1)
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -594,10 +594,15 @@ class Tokenizer(nn.Module):
         logits = logits.reshape(-1, *logits.shape[-4:])
         target = occ.long().reshape(-1, *occ.shape[-3:])
         weight = self.class_weights.to(logits.dtype) if cfg.class_weight_power > 0 else None
-        if mask is None:
-            ce = F.cross_entropy(logits, target, weight=weight)
-        else:
+        if mask is not None:
             ce = masked_cross_entropy(logits, target, mask.reshape(target.shape), weight)
+        elif weight is not None:
+            # sum of weighted terms over the number of voxels (not over the sum of weights): the
+            # normaliser does not depend on what a batch holds, so every rank's loss averages to the
+            # whole batch's, as with plain CE
+            ce = F.cross_entropy(logits, target, weight=weight, reduction="sum") / target.numel()
+        else:
+            ce = F.cross_entropy(logits, target)
         if cfg.lovasz_weight > 0:
             probs = logits.float().softmax(1).movedim(1, -1).reshape(-1, self.num_classes)
             labels = target.reshape(-1)
