@@ -326,12 +326,17 @@ def batches_per_rank(name: str, samples: int, world_size: int, batch: int, grad_
     return n
 
 
-def val_metrics(name: str, future: int) -> list[str]:
-    """The validation metrics a stage reports (TokenizerStage.evaluate, WorldStage.evaluate)."""
+def val_metrics(name: str, future: int, class_names=(), free_class: int = -1) -> list[str]:
+    """The validation metrics a stage reports (TokenizerStage.evaluate, WorldStage.evaluate); with
+    the data set's class names also the per-class IoUs (class_scalars)."""
+    per_class = [n for c, n in enumerate(class_names) if c != free_class]
     if name == "tokenizer":
-        return ["val/iou", "val/miou", "val/code_usage", "val/perplexity"]
+        return ["val/iou", "val/miou", "val/code_usage", "val/perplexity"] + [f"val/class_iou/{n}" for n in per_class]
+    steps = [f"_t{t + 1}" for t in range(future)]
     return ["val/iou", "val/miou", "val/copy_last_iou", "val/copy_last_miou"] + [
-        f"val/{pre}{m}_t{t + 1}" for pre in ("", "copy_last_") for m in ("iou", "miou") for t in range(future)]
+        f"val/{pre}{m}_t{t + 1}" for pre in ("", "copy_last_") for m in ("iou", "miou") for t in range(future)] + [
+        f"val/{pre}class_iou/{n}{t}" for pre in ("", "copy_last_") for n in per_class
+        for t in [""] + (steps if n in DYNAMIC_CLASSES else [])]
 
 
 def check_stages(run: Run) -> None:
@@ -352,7 +357,7 @@ def check_stages(run: Run) -> None:
         except DataError as e:
             raise DataError(f"{name} stage: {e}") from None
         batches_per_rank(name, samples, d.world_size, s.batch_size or cfg.data.batch_size, s.grad_accum)
-        metrics = val_metrics(name, cfg.data.future)
+        metrics = val_metrics(name, cfg.data.future, run.manifest.info.class_names, cfg.data.free_class)
         if s.best_metric not in metrics:
             raise ConfigError(f"{name}_stage.best_metric", f"{s.best_metric!r} is not a validation metric of "
                               f"the {name} stage; choose one of {', '.join(metrics)}")
