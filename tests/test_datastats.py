@@ -49,7 +49,7 @@ def test_synthetic_scenes_look_like_occ3d(grid, scenes, frames):
     the two Occ3D frames, at the demo's grid and at Occ3D's."""
     counts = None
     for i in range(scenes):
-        s = synth.make_scene(0, i, grid, frames, with_mask=True)
+        s = synth.make_scene(0, i, grid, frames, with_mask=True, style="occ3d")
         counts = S.add_counts(counts, S.frame_counts(s["occ"], FREE, 18, s["mask"]))
     st = S.stats_from_counts(counts, FREE)
     out = [(w, round(v, 3), round(lo, 3), round(hi, 3)) for w, v, lo, hi, ok in S.compare(st) if not ok]
@@ -61,7 +61,7 @@ def test_synthetic_scenes_look_like_occ3d(grid, scenes, frames):
 
 def test_synthetic_walls_are_surfaces_not_blocks():
     """Buildings are facades: a building column's wall is seen from the street, its inside is not."""
-    s = synth.make_scene(0, 1, (200, 200, 16), 1, with_mask=False)
+    s = synth.make_scene(0, 1, (200, 200, 16), 1, with_mask=False, style="occ3d")
     occ = s["occ"][0]
     manmade = occ == OCC3D_CLASSES.index("manmade")
     tall = manmade.sum(-1) >= 8  # columns of building wall
@@ -96,8 +96,8 @@ def test_traffic_moves_like_nuscenes_at_2hz():
 
 
 def test_synthetic_is_deterministic_and_masks_look_like_a_sensor():
-    a = synth.make_scene(5, 2, (64, 64, 8), 3)
-    b = synth.make_scene(5, 2, (64, 64, 8), 3)
+    a = synth.make_scene(5, 2, (64, 64, 8), 3, style="occ3d")
+    b = synth.make_scene(5, 2, (64, 64, 8), 3, style="occ3d")
     assert all(np.array_equal(a[k], b[k]) for k in ("occ", "mask", "pose", "timestamp"))
     m = a["mask"][0].astype(bool)
     # the sensor sees the voxels around it and not everything: far corners behind walls are hidden

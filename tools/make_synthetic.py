@@ -28,10 +28,12 @@ def main(argv=None) -> int:
     ap.add_argument("--compression", choices=list(COMPRESSIONS), default=DEFAULT_COMPRESSION)
     ap.add_argument("--scenes-per-shard", type=int, default=8)
     ap.add_argument("--no-mask", action="store_true", help="do not write visibility masks")
+    ap.add_argument("--style", choices=["blocks", "occ3d"], default="blocks",
+                    help="blocks: solid columns (the demo's scenes); occ3d: observed surfaces with Occ3D's statistics")
     a = ap.parse_args(argv)
     t = time.perf_counter()
     m = write_synthetic(a.out, a.train_scenes, a.val_scenes, a.frames, tuple(a.grid), a.seed,
-                        a.format, a.compression, not a.no_mask, a.scenes_per_shard, progress=True)
+                        a.format, a.compression, not a.no_mask, a.scenes_per_shard, progress=True, style=a.style)
     frames = sum(s["frames"] for s in m.shards)
     size = sum(s["bytes"] for s in m.shards)
     print(f"wrote {len(m.shards)} shards, {frames} frames, {size / 2**20:.1f} MiB to {a.out} in "

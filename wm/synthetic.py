@@ -450,9 +450,18 @@ def _ego(rng: np.random.Generator, frames: int) -> tuple[np.ndarray, np.ndarray]
     return ex, ey
 
 
+STYLES = ("occ3d", "blocks")  # this module's Occ3D-like scenes | wm/synthetic_blocks.py's solid ones
+
+
 def make_scene(seed: int, index: int, grid: tuple[int, int, int], frames: int,
-               with_mask: bool = True, split_id: int = 0) -> dict:
+               with_mask: bool = True, split_id: int = 0, style: str = "blocks") -> dict:
     """One scene: dict(name, occ uint8 (T,X,Y,Z), pose float64 (T,4,4), timestamp int64 (T,), mask)."""
+    if style == "blocks":
+        from wm import synthetic_blocks  # imported here: it takes its constants from this module
+
+        return synthetic_blocks.make_scene(seed, index, grid, frames, with_mask, split_id)
+    if style != "occ3d":
+        raise DataError(f"synthetic style {style!r} must be one of {list(STYLES)}")
     X, Y, Z = grid
     vox = (80.0 / X, 80.0 / Y, 6.4 / Z)
     rng = np.random.default_rng([seed, split_id, index])
@@ -495,13 +504,15 @@ def make_scene(seed: int, index: int, grid: tuple[int, int, int], frames: int,
 def write_synthetic(out: str | os.PathLike, train_scenes: int, val_scenes: int, frames: int = 40,
                     grid=(64, 64, 8), seed: int = 0, kind: str = "hdf5",
                     compression: str = DEFAULT_COMPRESSION, with_mask: bool = True,
-                    scenes_per_shard: int = 8, progress: bool = False) -> Manifest:
+                    scenes_per_shard: int = 8, progress: bool = False, style: str = "blocks") -> Manifest:
     """Write a synthetic data set (train + val splits) to folder `out`.
 
-    kind: "hdf5", "memmap", or "mixed" (shards alternate between the two)."""
+    kind: "hdf5", "memmap", or "mixed" (shards alternate between the two); style: see STYLES."""
     out = Path(out)
     if (out / "manifest.json").exists():
         raise DataError(f"{out} already holds a data set; choose another folder or remove it first")
+    if style not in STYLES:
+        raise DataError(f"synthetic style {style!r} must be one of {list(STYLES)}")
     if kind not in ("hdf5", "memmap", "mixed"):
         raise DataError(f"kind {kind!r} must be hdf5, memmap or mixed")
     if frames < 2 or train_scenes < 1 or val_scenes < 0:
@@ -515,7 +526,7 @@ def write_synthetic(out: str | os.PathLike, train_scenes: int, val_scenes: int, 
             name = f"{split}-{first // scenes_per_shard:05d}" + {"hdf5": ".h5", "memmap": ".mm"}[kk]
             with ShardWriter(out / name, kk, info, compression=compression) as w:
                 for i in range(first, min(n, first + scenes_per_shard)):
-                    s = make_scene(seed, i, tuple(grid), frames, with_mask, split_id)
+                    s = make_scene(seed, i, tuple(grid), frames, with_mask, split_id, style)
                     w.add_scene(s["name"], s["occ"], s["pose"], s["timestamp"], s["mask"])
                     if progress:
                         print(f"\r{split}: scene {i + 1}/{n}", end="", file=sys.stderr, flush=True)
@@ -539,7 +550,7 @@ def ensure_synthetic(cfg, grid, log=print) -> Path:
     folder and renames it, so an interrupted run never leaves a half data set behind."""
     key = {"train_scenes": cfg.train_scenes, "val_scenes": cfg.val_scenes, "frames": cfg.frames,
            "seed": cfg.seed, "format": cfg.format, "compression": cfg.compression,
-           "with_mask": cfg.with_mask, "grid": list(grid), "generator": 2}
+           "with_mask": cfg.with_mask, "grid": list(grid), "generator": 2 if cfg.style == "occ3d" else 1}  # 1: the blocks style, as it was keyed
     h = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     base = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     path = base / f"synthetic-{h}"
@@ -553,11 +564,11 @@ def ensure_synthetic(cfg, grid, log=print) -> Path:
                         "set synthetic.cache_dir or $WM_CACHE to a writable folder") from None
     tmp = base / f".synthetic-{h}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    log(f"generating synthetic scenes ({cfg.train_scenes}+{cfg.val_scenes} scenes x {cfg.frames} "
+    log(f"generating synthetic {cfg.style} scenes ({cfg.train_scenes}+{cfg.val_scenes} scenes x {cfg.frames} "
         f"frames, grid {'x'.join(map(str, grid))}) into {path} (once)")
     try:
         write_synthetic(tmp, cfg.train_scenes, cfg.val_scenes, cfg.frames, grid, cfg.seed,
-                        cfg.format, cfg.compression, cfg.with_mask)
+                        cfg.format, cfg.compression, cfg.with_mask, style=cfg.style)
         try:
             os.replace(tmp, path)
         except OSError:
