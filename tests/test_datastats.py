@@ -103,3 +103,23 @@ def test_synthetic_is_deterministic_and_masks_look_like_a_sensor():
     # the sensor sees the voxels around it and not everything: far corners behind walls are hidden
     assert m[28:36, 28:36, :3].mean() > 0.9
     assert 0.03 < m.mean() < 0.4
+
+
+def test_blocks_style_is_the_first_generator_and_a_bad_style_is_refused():
+    """synthetic.style picks the generator: "blocks" fills every column from a full ground slab (the
+    demo's default scenes), "occ3d" labels observed surfaces; any other name is refused in one line."""
+    from wm.config import ConfigError, SyntheticConfig
+    from wm.errors import DataError
+
+    grid = (64, 64, 8)
+    b = synth.make_scene(0, 3, grid, 2, True, 1, style="blocks")
+    o = synth.make_scene(0, 3, grid, 2, True, 1, style="occ3d")
+    occupied_b = (b["occ"] != synth.FREE).mean()
+    assert occupied_b > 0.15 and (b["occ"][..., 0] != synth.FREE).all()  # a full ground slab
+    assert (o["occ"] != synth.FREE).mean() < occupied_b / 2
+    again = synth.make_scene(0, 3, grid, 2, True, 1, style="blocks")
+    assert all(np.array_equal(b[k], again[k]) for k in ("occ", "pose", "timestamp", "mask"))
+    with pytest.raises(DataError, match="style 'solid' must be one of"):
+        synth.make_scene(0, 3, grid, 2, style="solid")
+    with pytest.raises(ConfigError, match="style"):
+        SyntheticConfig(style="solid").validate()

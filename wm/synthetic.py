@@ -1,7 +1,11 @@
 """Procedural driving scenes: the built-in data set, deterministic from a seed.
 
-They are built to look like Occ3D-nuScenes to a model, not like solid blocks: every label is an
-observed surface. A scene is a straight street in its own road frame: a road (driveable_surface)
+Two styles (`synthetic.style`): "occ3d", this module's scenes, and "blocks", the first generator's
+solid columns (wm/synthetic_blocks.py; still the demo's default, see its docstring). Writing,
+caching and the shared constants live here for both.
+
+The "occ3d" scenes are built to look like Occ3D-nuScenes to a model, not like solid blocks: every
+label is an observed surface. A scene is a straight street in its own road frame: a road (driveable_surface)
 with two lanes each way, sidewalks a kerb above it, and beyond them blocks of buildings, parks,
 open ground and parking on both sides, with cross streets now and then. What is labelled is what a
 car driving the street would see: building facades (rays from the road stop at the first wall, so
