@@ -214,15 +214,23 @@ def test_dead_code_reset_off():
     assert m.reset_dead_codes() == 0 and torch.equal(m.codebook, before)
 
 
-@pytest.mark.parametrize("every", [1, 2])
-def test_activation_checkpointing_same_gradients(every, monkeypatch):
+@pytest.mark.parametrize("every,policy", [(1, "full"), (2, "full"), (1, "selective")])
+def test_activation_checkpointing_same_gradients(every, policy, monkeypatch):
     import wm.tokenizer as tk
 
     calls = count_checkpoints(monkeypatch, tk)
+    kept, redone = set(), set()
+    if policy == "selective":  # record what the policy decides, op by op
+        def spy(ctx, op, *args, **kw):
+            decision = tk.CheckpointPolicy.MUST_SAVE if op in tk._EXPENSIVE_OPS else tk.CheckpointPolicy.PREFER_RECOMPUTE
+            (kept if decision == tk.CheckpointPolicy.MUST_SAVE else redone).add(str(op))
+            return decision
+
+        monkeypatch.setattr(tk, "_keep_expensive", spy)
     torch.manual_seed(0)
     base = Tokenizer(tiny_cfg(blocks_per_level=2), 6, (16, 16, 2))
     ck = copy.deepcopy(base)
-    ck.cfg = tiny_cfg(blocks_per_level=2, checkpoint_every=every)
+    ck.cfg = tiny_cfg(blocks_per_level=2, checkpoint_every=every, checkpoint_policy=policy)
     occ = synthetic_frames(2, 16, 16, 2)
     out_a = base(occ)
     assert not calls
@@ -236,6 +244,9 @@ def test_activation_checkpointing_same_gradients(every, monkeypatch):
     for (name, pa), pb in zip(base.named_parameters(), ck.parameters()):
         assert pa.grad is not None, name
         assert torch.allclose(pa.grad, pb.grad, atol=1e-6, rtol=0), name
+    if policy == "selective":  # convolutions kept; norms and activations recomputed
+        assert "aten.convolution.default" in kept and not any("group_norm" in k or "silu" in k for k in kept), kept
+        assert any("group_norm" in r for r in redone) and any("silu" in r for r in redone), redone
     calls.clear()
     with torch.no_grad():  # never when grad is off
         ck(occ)
@@ -254,6 +265,9 @@ def test_validate_and_grid_errors():
     with pytest.raises(ConfigError) as e:
         TokenizerConfig(checkpoint_every=-1).validate()
     assert e.value.key == "checkpoint_every"
+    with pytest.raises(ConfigError, match="'some' must be one of") as e:
+        TokenizerConfig(checkpoint_policy="some").validate()
+    assert e.value.key == "checkpoint_policy"
     with pytest.raises(ConfigError) as e:
         TokenizerConfig(attn_heads=3).validate()
     assert e.value.key == "attn_heads"

@@ -160,15 +160,15 @@ def test_motion_helpers_and_constant_velocity_prior():
     assert torch.allclose(fut, torch.tensor([[[2.0, 0, 0], [4.0, 0, 0], [6.0, 0, 0]]]), atol=1e-5)
 
 
-@pytest.mark.parametrize("every", [1, 2])
-def test_activation_checkpointing_same_gradients(every, monkeypatch):
-    import wm.world as wd
+@pytest.mark.parametrize("every,policy", [(1, "full"), (2, "full"), (1, "selective")])
+def test_activation_checkpointing_same_gradients(every, policy, monkeypatch):
+    import wm.tokenizer as tk  # the world model checkpoints through wm.tokenizer.checkpointed
 
-    calls = count_checkpoints(monkeypatch, wd)
+    calls = count_checkpoints(monkeypatch, tk)
     torch.manual_seed(0)
     base = WorldModel(tiny_cfg(widths=(16, 32), blocks_per_level=2, temporal_layers=2), 32)
     ck = copy.deepcopy(base)
-    ck.cfg = dataclasses.replace(base.cfg, checkpoint_every=every)
+    ck.cfg = dataclasses.replace(base.cfg, checkpoint_every=every, checkpoint_policy=policy)
     codes = torch.randint(0, 32, (2, 5, 8, 8))
     motion = torch.randn(2, 5, 3)
     ra = base.window_loss(codes, motion)
@@ -207,6 +207,7 @@ def test_validate():
         (dict(heads=3), "heads"),
         (dict(max_frames=0), "max_frames"),
         (dict(checkpoint_every=-1), "checkpoint_every"),
+        (dict(checkpoint_policy="some"), "checkpoint_policy"),
         (dict(motion_weight=-1.0), "motion_weight"),
     ):
         with pytest.raises(ConfigError) as e:

@@ -2,10 +2,12 @@
 
     python tools/bench_models.py --cfg configs/occworld.json                 # counts (meta device)
     python tools/bench_models.py --cfg configs/occworld.json --time --batch 1 --ckpt 0 1 --json out.json
+    python tools/bench_models.py --cfg configs/occworld.json --time --ckpt 0 1 2 --policy full selective
 
 With --time (CUDA): one training forward+backward per iteration under autocast (bf16 unless
 --amp), after warm-up, for each activation-checkpointing setting given (`--ckpt 0 1 2`: off, every
-block, every 2nd block). Reported per model: ms per step, samples/s, peak allocated memory, and the
+block, every 2nd block) and policy (`--policy full selective`: a checkpointed block keeps only its
+input, or also its conv/matmul/attention outputs). Reported per model: ms per step, samples/s, peak allocated memory, and the
 activation memory (peak during the step minus what was allocated before it: parameters and
 optimizer-free state). World-model samples are windows of `--frames` input frames (default: the
 config's data.past + data.future - 1, what one teacher-forced window feeds).
@@ -28,11 +30,11 @@ from wm.tokenizer import Tokenizer, count_parameters  # noqa: E402
 from wm.world import WorldModel  # noqa: E402
 
 
-def build(cfg, ckpt_every=None):
+def build(cfg, ckpt_every=None, policy="full"):
     tc, wc = cfg.tokenizer, cfg.world
     if ckpt_every is not None:
-        tc = dataclasses.replace(tc, checkpoint_every=ckpt_every)
-        wc = dataclasses.replace(wc, checkpoint_every=ckpt_every)
+        tc = dataclasses.replace(tc, checkpoint_every=ckpt_every, checkpoint_policy=policy)
+        wc = dataclasses.replace(wc, checkpoint_every=ckpt_every, checkpoint_policy=policy)
     tok = Tokenizer(tc, cfg.data.num_classes, tuple(cfg.data.grid))
     world = WorldModel(wc, tc.codebook_size)
     return tok, world
@@ -66,6 +68,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--frames", type=int, default=0, help="world-model input frames (0: from the config)")
     ap.add_argument("--ckpt", type=int, nargs="*", default=[0, 1], help="checkpoint_every values to time")
+    ap.add_argument("--policy", nargs="*", default=["full"], choices=["full", "selective"],
+                    help="checkpoint policies to time for every --ckpt value > 0")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each step (warm-up compiles)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--amp", choices=["bf16", "fp16", "fp32"], default="bf16")
     ap.add_argument("--json", metavar="PATH")
@@ -92,10 +97,11 @@ def main(argv=None) -> int:
         h, w = X // 4, Y // 4
         codes = torch.randint(0, cfg.tokenizer.codebook_size, (a.batch, T + 1, h, w), device=dev, generator=g)
         motion = torch.randn(a.batch, T + 1, 3, device=dev, generator=g)
-        print(f"{'model':<10}{'ckpt':>5}{'ms/step':>10}{'samples/s':>11}{'peak GiB':>10}{'activ. GiB':>11}"
+        print(f"{'model':<10}{'ckpt':>14}{'ms/step':>10}{'samples/s':>11}{'peak GiB':>10}{'activ. GiB':>11}"
               f"   (batch {a.batch}, {a.amp}, world {T} input frames, {torch.cuda.get_device_name()})")
-        for ck in a.ckpt:
-            tok, world = build(cfg, ck)
+        settings = [(ck, pol) for ck in a.ckpt for pol in (a.policy if ck > 0 else ["-"])]
+        for ck, pol in settings:
+            tok, world = build(cfg, ck, "full" if pol == "-" else pol)
             for name, m in (("tokenizer", tok), ("world", world)):
                 m = m.to(dev).train()
                 params = list(m.parameters())
@@ -108,13 +114,17 @@ def main(argv=None) -> int:
                     def fn():
                         with ctx():
                             return m.window_loss(codes, motion)["loss"]
+                if a.compile:
+                    torch._dynamo.reset()
+                    fn = torch.compile(fn)
                 dt, peak, act = time_step(fn, params, a.iters)
-                out["timings"].append({"model": name, "checkpoint_every": ck, "batch": a.batch,
+                out["timings"].append({"model": name, "checkpoint_every": ck, "checkpoint_policy": pol,
+                                       "compile": a.compile, "batch": a.batch,
                                        "frames": 1 if name == "tokenizer" else T, "amp": a.amp,
                                        "ms_per_step": dt * 1e3, "samples_per_s": a.batch / dt,
                                        "peak_gib": peak, "activation_gib": act,
                                        "device": torch.cuda.get_device_name()})
-                print(f"{name:<10}{ck:>5}{dt * 1e3:>10.1f}{a.batch / dt:>11.2f}{peak:>10.2f}{act:>11.2f}")
+                print(f"{name:<10}{f'{ck} {pol}':>14}{dt * 1e3:>10.1f}{a.batch / dt:>11.2f}{peak:>10.2f}{act:>11.2f}")
                 m.to("cpu")
                 del m, params
                 torch.cuda.empty_cache()

@@ -70,9 +70,9 @@ STAGE_WORDS = {"tokenizer": "tokenizer", "world": "world-model"}
 # config keys that change training but not the function a checkpoint computes: they may differ
 # between the checkpoint's config and the one given for evaluation
 TRAINING_ONLY = {
-    "tokenizer": {"checkpoint_every", "ce_weight", "lovasz_weight", "vq_weight", "commitment", "dead_code_steps",
+    "tokenizer": {"checkpoint_every", "checkpoint_policy", "ce_weight", "lovasz_weight", "vq_weight", "commitment", "dead_code_steps",
                   "class_weight_power", "class_weight_max"},
-    "world": {"checkpoint_every", "ce_weight", "motion_weight"},
+    "world": {"checkpoint_every", "checkpoint_policy", "ce_weight", "motion_weight"},
 }
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from wm.errors import ConfigError, DataError
 
@@ -65,6 +65,9 @@ class TokenizerConfig:
     vq_weight: float = 1.0  # weight of the vector-quantizer loss
     dead_code_steps: int = 100  # reset codes unused for this many training forwards; 0 = never
     checkpoint_every: int = 0  # activation checkpointing: 0 off, 1 every block, k every k-th block
+    # full: a checkpointed block keeps only its input; selective: it also keeps its convolution,
+    # matmul and attention outputs and recomputes only the cheap ops (norms, activations, adds)
+    checkpoint_policy: str = "full"  # what a checkpointed block keeps: full | selective
     # Frequency-weighted cross-entropy: class c weighs (share of c in the training data) ** -power,
     # capped at class_weight_max times the lightest class (the free class), the weighted terms
     # averaged over voxels. 0: plain CE (OccWorld); 0.5: inverse square root of the frequency; 1:
@@ -103,6 +106,7 @@ class TokenizerConfig:
                 raise ConfigError("widths", f"every width must be a multiple of 4 (GroupNorm), got {self.widths}")
         if self.widths[-1] % self.attn_heads:
             raise ConfigError("attn_heads", f"must divide the lowest-level width {self.widths[-1]}")
+        check_policy(self.checkpoint_policy)
         if self.codebook_size < 2:
             raise ConfigError("codebook_size", f"must be >= 2, got {self.codebook_size}")
         for name in ("commitment", "ce_weight", "lovasz_weight", "vq_weight"):
@@ -190,14 +194,50 @@ class Upsample(nn.Module):
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
 
 
-def _run_blocks(blocks: nn.ModuleList, x: Tensor, every: int, active: bool, start: int = 0) -> tuple[Tensor, int]:
+# ------------------------------------------------------------------------------------------ checkpointing
+
+CHECKPOINT_POLICIES = ("full", "selective")
+# What selective checkpointing keeps (as torchtitan's op-level policy): the outputs that cost FLOPs to
+# recompute. Everything else in the block (GroupNorm/LayerNorm, SiLU/GELU, residual adds, reshapes and
+# layout copies) is recomputed in the backward pass: cheap in time, most of the bytes.
+_EXPENSIVE_OPS = tuple(getattr(torch.ops.aten, n).default for n in (
+    "mm", "addmm", "bmm", "convolution", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu") if hasattr(torch.ops.aten, n))
+
+
+def check_policy(policy: str) -> None:
+    if policy not in CHECKPOINT_POLICIES:
+        raise ConfigError("checkpoint_policy", f"{policy!r} must be one of {list(CHECKPOINT_POLICIES)} (full: keep "
+                          "only a block's input; selective: also its conv/matmul/attention outputs)")
+
+
+def _keep_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _EXPENSIVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_keep_expensive)
+
+
+def checkpointed(fn, *args: Tensor, policy: str = "full") -> Tensor:
+    """fn(*args) with its activations recomputed in the backward pass: all of them ("full") or all but
+    the convolution, matmul and attention outputs ("selective"). Shared by the tokenizer and the world
+    model; the results and gradients equal an unchecked call (tests/test_tokenizer.py)."""
+    if policy == "selective":
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=_selective_contexts)
+    return checkpoint(fn, *args, use_reentrant=False)
+
+
+def _run_blocks(blocks: nn.ModuleList, x: Tensor, every: int, active: bool, start: int = 0,
+                policy: str = "full") -> tuple[Tensor, int]:
     """Apply `blocks` in order; ResBlock/AttnBlock number i (counted from `start`) is activation-checkpointed
-    when `active` and i % every == 0. Returns the output and the next block number."""
+    (`policy`) when `active` and i % every == 0. Returns the output and the next block number."""
     i = start
     for blk in blocks:
         if isinstance(blk, (ResBlock, AttnBlock)):
             if active and every > 0 and i % every == 0:
-                x = checkpoint(blk, x, use_reentrant=False)
+                x = checkpointed(blk, x, policy=policy)
             else:
                 x = blk(x)
             i += 1
@@ -513,14 +553,16 @@ class Tokenizer(nn.Module):
             h = self.class_embed(idx)  # (N, Z, X, Y, E): a Gather in exported graphs
         h = h.permute(0, 1, 4, 2, 3).reshape(n, zz * self.cfg.embed_dim, x, y)  # channel = z*E + e
         h = self.enc_in(h)
-        h, _ = _run_blocks(self.encoder, h, self.cfg.checkpoint_every, self._ckpt_active())
+        h, _ = _run_blocks(self.encoder, h, self.cfg.checkpoint_every, self._ckpt_active(),
+                           policy=self.cfg.checkpoint_policy)
         return self.enc_out(F.silu(self.enc_norm(h)))
 
     def _decode_zq(self, zq: Tensor) -> Tensor:
         """zq (N, code_dim, h, w) -> logits (N, C, X, Y, Z)."""
         h = self.dec_in(zq)
         start = self._n_enc_blocks()
-        h, _ = _run_blocks(self.decoder, h, self.cfg.checkpoint_every, self._ckpt_active(), start)
+        h, _ = _run_blocks(self.decoder, h, self.cfg.checkpoint_every, self._ckpt_active(), start,
+                           self.cfg.checkpoint_policy)
         h = self.dec_out(F.silu(self.dec_norm(h)))  # (N, Z*E, X, Y)
         n, _, x, y = h.shape
         h = h.reshape(n, self.grid[2], self.cfg.embed_dim, x, y)

@@ -33,10 +33,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from wm.errors import ConfigError
-from wm.tokenizer import ResBlock, count_parameters, masked_cross_entropy, norm
+from wm.tokenizer import ResBlock, check_policy, checkpointed, count_parameters, masked_cross_entropy, norm
 
 __all__ = ["WorldConfig", "WorldModel", "count_parameters", "motion_features", "compose_motion"]
 
@@ -59,6 +58,9 @@ class WorldConfig:
     ce_weight: float = 1.0  # weight of the next-frame code cross-entropy
     motion_weight: float = 0.1  # weight of the ego-motion L2 loss
     checkpoint_every: int = 0  # activation checkpointing: 0 off, 1 every block, k every k-th block
+    # full: a checkpointed block keeps only its inputs; selective: also its matmul, convolution and
+    # attention outputs, recomputing norms, activations, adds and layout copies (wm.tokenizer.checkpointed)
+    checkpoint_policy: str = "full"  # what a checkpointed block keeps: full | selective
 
     @classmethod
     def occworld(cls) -> "WorldConfig":
@@ -92,6 +94,7 @@ class WorldConfig:
         for name in ("blocks_per_level", "ffn_mult", "max_frames"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        check_policy(self.checkpoint_policy)
         for name in ("temporal_layers", "pose_layers", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
@@ -320,7 +323,7 @@ class WorldModel(nn.Module):
     def _call(self, blk: nn.Module, *args: Tensor) -> Tensor:
         """Run one block, activation-checkpointed if it is every k-th block (by its block_index)."""
         if self._ckpt_active() and blk.block_index % self.cfg.checkpoint_every == 0:
-            return checkpoint(blk, *args, use_reentrant=False)
+            return checkpointed(blk, *args, policy=self.cfg.checkpoint_policy)
         return blk(*args)
 
     def _level(self, lvl: _Level, x: Tensor, p: Tensor, b: int, t: int) -> tuple[Tensor, Tensor]:
