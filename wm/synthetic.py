@@ -454,6 +454,23 @@ def _ego(rng: np.random.Generator, frames: int) -> tuple[np.ndarray, np.ndarray]
     return ex, ey
 
 
+def scene_record(rng: np.random.Generator, ex: np.ndarray, ey: np.ndarray, occ: np.ndarray,
+                 mask, seed: int, index: int, split_id: int) -> dict:
+    """A rendered scene as make_scene returns it (both styles): the road frame placed in the world with
+    a random heading and offset (drawn from `rng` last), 2 Hz timestamps, and a name."""
+    frames = len(ex)
+    th = rng.uniform(-np.pi, np.pi)
+    off = rng.uniform(-500, 500, size=2)
+    R = np.array([[np.cos(th), -np.sin(th)], [np.sin(th), np.cos(th)]])
+    pose = np.tile(np.eye(4), (frames, 1, 1))
+    pose[:, :2, :2] = R
+    pose[:, :2, 3] = (R @ np.stack([ex, ey])).T + off
+    t0 = 1_533_000_000_000_000 + (split_id * 100_000 + index) * 3_600_000_000
+    timestamp = t0 + np.arange(frames, dtype=np.int64) * int(DT * 1e6)
+    return {"name": f"synth-{split_id}-{seed}-{index:05d}", "occ": occ, "pose": pose,
+            "timestamp": timestamp, "mask": mask}
+
+
 STYLES = ("occ3d", "blocks")  # this module's Occ3D-like scenes | wm/synthetic_blocks.py's solid ones
 
 
@@ -492,17 +509,7 @@ def make_scene(seed: int, index: int, grid: tuple[int, int, int], frames: int,
         occ[t] = frame
         if with_mask:
             mask[t] = _sensor_mask(frame, vox, street.base)
-    # global pose: the road frame placed with a random heading and offset
-    th = rng.uniform(-np.pi, np.pi)
-    off = rng.uniform(-500, 500, size=2)
-    R = np.array([[np.cos(th), -np.sin(th)], [np.sin(th), np.cos(th)]])
-    pose = np.tile(np.eye(4), (frames, 1, 1))
-    pose[:, :2, :2] = R
-    pose[:, :2, 3] = (R @ np.stack([ex, ey])).T + off
-    t0 = 1_533_000_000_000_000 + (split_id * 100_000 + index) * 3_600_000_000
-    timestamp = t0 + np.arange(frames, dtype=np.int64) * int(DT * 1e6)
-    return {"name": f"synth-{split_id}-{seed}-{index:05d}", "occ": occ, "pose": pose,
-            "timestamp": timestamp, "mask": mask}
+    return scene_record(rng, ex, ey, occ, mask, seed, index, split_id)
 
 
 def write_synthetic(out: str | os.PathLike, train_scenes: int, val_scenes: int, frames: int = 40,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from wm.synthetic import C, DT, FREE, LANE, ROAD_HALF, SIZES, WALK
+from wm.synthetic import C, DT, FREE, LANE, ROAD_HALF, SIZES, WALK, scene_record
 
 
 def _static_map(rng: np.random.Generator, length_m: float, vx: float, vy: float, width_m: float):
@@ -184,16 +184,6 @@ def make_scene(seed: int, index: int, grid: tuple[int, int, int], frames: int,
         if with_mask:
             vis = _visible(levels, block=max(1, int(round(2.0 / vz))))
             mask[t] = vis[..., None]
-    # global pose: the road frame placed with a random heading and offset
-    th = rng.uniform(-np.pi, np.pi)
-    off = rng.uniform(-500, 500, size=2)
-    R = np.array([[np.cos(th), -np.sin(th)], [np.sin(th), np.cos(th)]])
-    pose = np.tile(np.eye(4), (frames, 1, 1))
-    pose[:, :2, :2] = R
-    pose[:, :2, 3] = (R @ np.stack([ex, ey])).T + off
-    t0 = 1_533_000_000_000_000 + (split_id * 100_000 + index) * 3_600_000_000
-    timestamp = t0 + np.arange(frames, dtype=np.int64) * int(DT * 1e6)
-    return {"name": f"synth-{split_id}-{seed}-{index:05d}", "occ": occ, "pose": pose,
-            "timestamp": timestamp, "mask": mask}
+    return scene_record(rng, ex, ey, occ, mask, seed, index, split_id)
 
 
