@@ -446,12 +446,18 @@ def _ego(rng: np.random.Generator, frames: int) -> tuple[np.ndarray, np.ndarray]
     right lanes, with a lane change now and then."""
     v = _speeds(rng, frames, rng.uniform(2, 12), rng.uniform(6, 14), 0.25, 1)
     ex = 45.0 + np.concatenate([[0], np.cumsum(v[1:] * DT)])
+    return ex, ego_lane(rng, frames, 0.4)
+
+
+def ego_lane(rng: np.random.Generator, frames: int, p: float) -> np.ndarray:
+    """The ego's y in the road frame: the centre of the right lane, with probability `p` one smooth
+    change to the next lane over ~3 s (both styles)."""
     ey = np.full(frames, -LANE / 2)
-    if rng.random() < 0.4:  # one lane change over ~3 s
+    if rng.random() < p:
         t0 = rng.integers(0, max(1, frames - 6))
         ramp = np.clip((np.arange(frames) - t0) / 6, 0, 1)
         ey = -LANE / 2 - LANE * (3 * ramp**2 - 2 * ramp**3)
-    return ex, ey
+    return ey
 
 
 def scene_record(rng: np.random.Generator, ex: np.ndarray, ey: np.ndarray, occ: np.ndarray,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from wm.synthetic import C, DT, FREE, LANE, ROAD_HALF, SIZES, WALK, scene_record
+from wm.synthetic import C, DT, FREE, LANE, ROAD_HALF, SIZES, WALK, ego_lane, scene_record
 
 
 def _static_map(rng: np.random.Generator, length_m: float, vx: float, vy: float, width_m: float):
@@ -148,11 +148,7 @@ def make_scene(seed: int, index: int, grid: tuple[int, int, int], frames: int,
         a = np.clip(a + rng.normal(0, 0.4), -2, 2)
         v[t] = np.clip(v[t - 1] + a * DT, 3, 14)
     ex = 45.0 + np.concatenate([[0], np.cumsum(v[1:] * DT)])
-    ey = np.full(frames, -LANE / 2)
-    if rng.random() < 0.5:  # one lane change over ~3 s
-        t0 = rng.integers(0, max(1, frames - 6))
-        ramp = np.clip((np.arange(frames) - t0) / 6, 0, 1)
-        ey = -LANE / 2 - LANE * (3 * ramp**2 - 2 * ramp**3)
+    ey = ego_lane(rng, frames, 0.5)
     length = ex[-1] + 45.0
     ground, solid, height = _static_map(rng, length + 10, vx, vy, width_m=80.0 + 2 * 2 * LANE + 10)
     agents = _agents(rng, length, float(v.mean()))
