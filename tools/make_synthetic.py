@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from wm.errors import run_cli  # noqa: E402
 from wm.shards import COMPRESSIONS, DEFAULT_COMPRESSION  # noqa: E402
-from wm.synthetic import write_synthetic  # noqa: E402
+from wm.synthetic import STYLES, write_synthetic  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compression", choices=list(COMPRESSIONS), default=DEFAULT_COMPRESSION)
     ap.add_argument("--scenes-per-shard", type=int, default=8)
     ap.add_argument("--no-mask", action="store_true", help="do not write visibility masks")
-    ap.add_argument("--style", choices=["blocks", "occ3d"], default="blocks",
+    ap.add_argument("--style", choices=list(STYLES), default="blocks",
                     help="blocks: solid columns (the demo's scenes); occ3d: observed surfaces with Occ3D's statistics")
     a = ap.parse_args(argv)
     t = time.perf_counter()

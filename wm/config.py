@@ -142,8 +142,11 @@ class SyntheticConfig:
             raise ConfigError("frames", f"{self.frames} must be >= 2")
         if self.format not in KINDS:
             raise ConfigError("format", f"{self.format!r} must be one of {list(KINDS)}")
-        if self.style not in ("blocks", "occ3d"):
-            raise ConfigError("style", f"{self.style!r} must be blocks (solid columns) or occ3d (Occ3D-like surfaces)")
+        from wm.synthetic import STYLES
+
+        if self.style not in STYLES:
+            raise ConfigError("style", f"{self.style!r} must be one of {list(STYLES)} (blocks: solid columns; "
+                              "occ3d: Occ3D-like surfaces)")
         if self.compression not in COMPRESSIONS:
             raise ConfigError("compression", f"{self.compression!r} must be one of {list(COMPRESSIONS)}")
 

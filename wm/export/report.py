@@ -195,8 +195,10 @@ def drop_se(per_window: Mapping[str, torch.Tensor], free: int, ref: str = "pytor
                 miou(boot, free).view(resamples, s).nanmean(1))
 
     r_iou, r_miou = avgs(counts)
-    out = {}
+    out = {ref: (0.0, 0.0)}
     for v, cnt in per_window.items():
+        if v == ref:
+            continue
         v_iou, v_miou = avgs(cnt)
         out[v] = tuple(_num(float((a - b).std())) for a, b in ((r_iou, v_iou), (r_miou, v_miou)))
     return out
