@@ -307,7 +307,20 @@ def test_validation_messages_say_what_is_allowed():
     e = refused(C.load, None, ["synthetic.format=zarr"])
     assert "'zarr'" in str(e) and "hdf5" in str(e) and "memmap" in str(e)
     e = refused(C.load, None, ["data.grid=30,32,8"])
-    assert "divisible by 4" in str(e)
+    assert e.key == "data.grid" and "divisible by 4" in str(e) and "tokenizer.widths" in str(e)
+    assert C.load(None, ["data.grid=30,32,8", "tokenizer.widths=16,32"]).tokenizer.downsample == 2
+    e = refused(C.load, None, ["data.grid=31,32,8", "tokenizer.widths=16,32"])
+    assert e.key == "data.grid" and "divisible by 2" in str(e)
+
+
+def test_partial_section_in_a_file_keeps_the_demo_defaults(tmp_path):
+    """A section a file sets in part starts from Config's defaults for it (the demo's stages and
+    tokenizer), not from the section class's own: the same keys in a file and by --set agree."""
+    p = write_cfg(tmp_path, {"world_stage": {"eval_every": 7}, "tokenizer": {"code_dim": 16}})
+    from_file = C.load(p)
+    assert from_file == C.load(None, ["world_stage.eval_every=7", "tokenizer.code_dim=16"])
+    assert from_file.world_stage.epochs == C.Config().world_stage.epochs != C.StageConfig().epochs
+    assert from_file.tokenizer.lovasz_weight == C.Config().tokenizer.lovasz_weight == 0.0
 
 
 @pytest.mark.parametrize("overrides", [["synthetic.frames=10"], ["data.stride=4"],

@@ -73,6 +73,25 @@ def test_demo_shapes_and_outputs():
     assert m.codebook.shape == (cfg.codebook_size, cfg.code_dim)
 
 
+@pytest.mark.parametrize("widths,d", [((8,), 1), ((8, 16), 2), ((8, 8, 16), 4), ((8, 8, 8, 16), 8)])
+def test_levels_set_the_token_grid(widths, d):
+    """len(widths) levels: len - 1 stride-2 downsamples, a token per d x d columns, and a decoder that
+    mirrors them back to the full grid; the token mask pools the same d x d cells."""
+    torch.manual_seed(0)
+    m = Tokenizer(tiny_cfg(widths=widths), 6, (16, 16, 2))
+    assert m.downsample == m.cfg.downsample == d and m.token_shape == (16 // d, 16 // d)
+    occ = torch.randint(0, 6, (2, 16, 16, 2), dtype=torch.uint8)
+    out = m(occ)
+    assert out["codes"].shape == (2, 16 // d, 16 // d) and out["logits"].shape == (2, 6, 16, 16, 2)
+    out["loss"].backward()
+    assert all(p.grad is not None for p in m.encoder.parameters())
+    n_attn = sum(type(b).__name__ == "AttnBlock" for b in m.encoder)
+    assert n_attn == 2  # the lowest level's block (one per level) and the middle one
+    mask = torch.zeros(1, 16, 16, 2, dtype=torch.uint8)
+    mask[0, 15, 0, 1] = 1
+    assert m.token_mask(mask).nonzero().tolist() == [[0, 15 // d, 0]]
+
+
 def test_occworld_sizes_on_meta():
     cfg = TokenizerConfig.occworld()
     with torch.device("meta"):
@@ -258,8 +277,11 @@ def test_activation_checkpointing_same_gradients(every, policy, monkeypatch):
 
 
 def test_validate_and_grid_errors():
+    with pytest.raises(ConfigError, match="1 to 4 levels") as e:
+        TokenizerConfig(widths=(8, 8, 8, 8, 8)).validate()
+    assert e.value.key == "widths"
     with pytest.raises(ConfigError) as e:
-        TokenizerConfig(widths=(16, 32)).validate()
+        TokenizerConfig(widths=(16, 30)).validate()
     assert e.value.key == "widths"
     with pytest.raises(ConfigError) as e:
         TokenizerConfig(codebook_size=1).validate()
@@ -275,8 +297,11 @@ def test_validate_and_grid_errors():
     assert e.value.key == "attn_heads"
     TokenizerConfig().validate()
     TokenizerConfig.occworld().validate()
-    with pytest.raises(DataError):
+    with pytest.raises(DataError, match="divisible by 4"):
         Tokenizer(tiny_cfg(), 6, (30, 32, 4))
+    with pytest.raises(DataError, match="divisible by 2"):
+        Tokenizer(tiny_cfg(widths=(8, 16)), 6, (31, 32, 4))
+    Tokenizer(tiny_cfg(widths=(8, 16)), 6, (30, 32, 4))  # one downsample: 30 is fine
     m = Tokenizer(tiny_cfg(), 6, (16, 16, 2))
     with pytest.raises(ValueError):
         m.encode(torch.zeros(1, 16, 16, 3, dtype=torch.uint8))

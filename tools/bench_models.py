@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         T = a.frames or cfg.data.window - 1
         g = torch.Generator(device=dev).manual_seed(0)
         occ = torch.randint(0, cfg.data.num_classes, (a.batch, X, Y, Z), device=dev, generator=g).to(torch.uint8)
-        h, w = X // 4, Y // 4
+        h, w = X // cfg.tokenizer.downsample, Y // cfg.tokenizer.downsample
         codes = torch.randint(0, cfg.tokenizer.codebook_size, (a.batch, T + 1, h, w), device=dev, generator=g)
         motion = torch.randn(a.batch, T + 1, 3, device=dev, generator=g)
         print(f"{'model':<10}{'ckpt':>14}{'ms/step':>10}{'samples/s':>11}{'peak GiB':>10}{'activ. GiB':>11}"

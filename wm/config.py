@@ -53,7 +53,7 @@ class DataConfig:
     val_split: str = "val"  # split validation and --eval-only score
     # What the data must be; checked against the manifest before anything trains, so a
     # class-count or grid mismatch is found in the first second, not after hours.
-    grid: tuple[int, ...] = (64, 64, 8)  # voxels [X, Y, Z] of every frame; X and Y divisible by 4
+    grid: tuple[int, ...] = (64, 64, 8)  # voxels [X, Y, Z] of every frame; X, Y divisible by tokenizer.downsample
     num_classes: int = 18  # class ids 0..num_classes-1, the free class included
     free_class: int = 17  # id of empty space (not in mIoU)
     # Windows: `past` frames in, `future` frames to forecast, every `stride`-th frame of a scene;
@@ -93,10 +93,6 @@ class DataConfig:
             raise ConfigError("mask_bits", f"{self.mask_bits} must be in [0, 255] (bits of the uint8 mask; 0 = any nonzero)")
         if len(self.grid) != 3 or min(self.grid) < 1:
             raise ConfigError("grid", f"{list(self.grid)} must be three positive sizes [X, Y, Z]")
-        if self.grid[0] % 4 or self.grid[1] % 4:
-            raise ConfigError("grid", f"{list(self.grid)}: X and Y must be divisible by 4 "
-                              "(the tokenizer downsamples twice by 2); convert the data with "
-                              "tools/convert_frames.py --crop or --pad")
         if not 2 <= self.num_classes <= 256:
             raise ConfigError("num_classes", f"{self.num_classes} must be in [2, 256] (labels are uint8)")
         if not 0 <= self.free_class < self.num_classes:
@@ -286,6 +282,11 @@ class Config:
                 section.validate()
             except ConfigError as e:
                 raise e.under(f.name) from None
+        d = self.tokenizer.downsample
+        if self.data.grid[0] % d or self.data.grid[1] % d:
+            raise ConfigError("data.grid", f"{list(self.data.grid)}: X and Y must be divisible by {d} (the "
+                              f"tokenizer downsamples {len(self.tokenizer.widths) - 1} times by 2, "
+                              "tokenizer.widths); convert the data with tools/convert_frames.py --crop or --pad")
         if not self.data.root and self.data.span > self.synthetic.frames:
             raise ConfigError("data.past", f"a window of {self.data.window} frames at stride "
                               f"{self.data.stride} spans {self.data.span} frames, longer than the "
@@ -386,22 +387,28 @@ def _unknown(key: str, root_cls) -> ConfigError:
     return ConfigError(key, f"unknown key{hint}")
 
 
-def from_dict(cls, d: Any, prefix: str = "", root_cls=None):
-    """Build dataclass `cls` from a (JSON) dict, refusing unknown keys and wrong types."""
+def from_dict(cls, d: Any, prefix: str = "", root_cls=None, base=None):
+    """Build dataclass `cls` from a (JSON) dict, refusing unknown keys and wrong types. Keys the dict
+    leaves out keep their defaults, a section's defaults being its parent's (`base`: Config's demo
+    stages and tokenizer), so a file's partial section means what the same keys given by --set mean."""
     root_cls = root_cls or cls
     if not isinstance(d, dict):
         raise ConfigError(prefix.rstrip(".") or "<root>", f"expected an object of keys, got {d!r}")
     hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for k, v in d.items():
         if k not in hints:
             raise _unknown(f"{prefix}{k}", root_cls)
         tp = hints[k]
         if dataclasses.is_dataclass(tp):
-            kwargs[k] = from_dict(tp, v, f"{prefix}{k}.", root_cls)
+            f = fields[k]
+            sub = getattr(base, k) if base is not None else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+            kwargs[k] = from_dict(tp, v, f"{prefix}{k}.", root_cls, sub)
         else:
             kwargs[k] = _coerce(v, tp, f"{prefix}{k}")
-    return cls(**kwargs)
+    return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
 
 
 def to_dict(cfg) -> dict:

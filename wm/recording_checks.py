@@ -28,7 +28,8 @@ import numpy as np
 from wm.errors import DataError
 
 
-# The tokenizer downsamples X and Y twice by 2 (wm.config.DataConfig refuses other grids).
+# OccWorld's tokenizer downsamples X and Y twice by 2 (wm.config refuses grids that tokenizer.widths
+# cannot divide); fewer tokenizer levels need only a divisor of 4.
 GRID_MULTIPLE = 4
 # wm.convert.TIME_UNITS in order, each x1000 finer than the one before
 UNITS = {"s": "seconds", "ms": "milliseconds", "us": "microseconds", "ns": "nanoseconds"}

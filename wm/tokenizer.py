@@ -3,10 +3,10 @@
 Data flow for one frame `occ` (X, Y, Z) uint8 class ids:
 
     class embedding (num_classes x embed_dim) per voxel -> (Z*embed_dim, X, Y)   height folded into channels
-    2D ResNet encoder: conv_in, 3 levels of `blocks_per_level` ResBlocks with a stride-2 conv between
-        levels (X -> X/2 -> X/4), attention after every block of the lowest level, mid ResBlock/Attn/ResBlock,
-        GroupNorm + SiLU + conv_out -> (code_dim, X/4, Y/4)
-    vector quantizer (codebook_size x code_dim, straight-through) -> codes (X/4, Y/4)
+    2D ResNet encoder: conv_in, L = len(widths) levels of `blocks_per_level` ResBlocks with a stride-2
+        conv between levels (OccWorld: L = 3, X -> X/2 -> X/4), attention after every block of the lowest
+        level, mid ResBlock/Attn/ResBlock, GroupNorm + SiLU + conv_out -> (code_dim, X/d, Y/d), d = 2**(L-1)
+    vector quantizer (codebook_size x code_dim, straight-through) -> codes (X/d, Y/d)
     mirrored decoder -> (Z*embed_dim, X, Y) -> per voxel dot product with the class embedding table
         (the "transposed class embedding" head) -> logits (num_classes, X, Y, Z)
 
@@ -53,7 +53,9 @@ class TokenizerConfig:
     """Tokenizer hyper-parameters. Defaults give the small CPU demo model; `occworld()` gives OccWorld's."""
 
     embed_dim: int = 8  # class embedding dim per voxel (channels in = Z * embed_dim)
-    widths: tuple[int, ...] = (16, 32, 64)  # encoder widths of the 3 levels; two stride-2 downsamples
+    # encoder widths. OccWorld: 3 levels, a token per 4x4 columns; 2 levels: a token per 2x2 columns,
+    # 4x the tokens, which keeps one-voxel objects at the demo's 1.25 m voxels (BENCHMARKS.md)
+    widths: tuple[int, ...] = (16, 32, 64)  # one per level; L levels: a token per 2**(L-1) columns in X and Y
     blocks_per_level: int = 1  # ResBlocks per level (encoder and decoder)
     attn_heads: int = 1  # heads of the spatial attention at the lowest resolution
     lowest_attention: bool = True  # attention after every block of the lowest level (mid attn always)
@@ -75,6 +77,11 @@ class TokenizerConfig:
     # them at almost no cost.
     class_weight_power: float = 0.0  # CE class weight = (class share) ** -power; 0 = plain CE
     class_weight_max: float = 100.0  # cap on a class's CE weight, relative to the lightest class
+
+    @property
+    def downsample(self) -> int:
+        """Voxel columns per token along X and along Y."""
+        return 2 ** (len(self.widths) - 1)
 
     @classmethod
     def occworld(cls) -> "TokenizerConfig":
@@ -99,8 +106,9 @@ class TokenizerConfig:
         for name in ("embed_dim", "blocks_per_level", "attn_heads", "code_dim"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
-        if len(self.widths) != 3:
-            raise ConfigError("widths", f"needs exactly 3 widths (two stride-2 downsamples), got {self.widths}")
+        if not 1 <= len(self.widths) <= 4:
+            raise ConfigError("widths", f"needs 1 to 4 levels (0 to 3 stride-2 downsamples; OccWorld: 3), got "
+                              f"{list(self.widths)}")
         for w in self.widths:
             if w < 4 or w % 4:
                 raise ConfigError("widths", f"every width must be a multiple of 4 (GroupNorm), got {self.widths}")
@@ -451,17 +459,16 @@ def masked_cross_entropy(logits: Tensor, target: Tensor, mask: Tensor, weight: T
 class Tokenizer(nn.Module):
     """VQ-VAE over occupancy frames.
 
-    Tokenizer(cfg, num_classes, grid) with grid = (X, Y, Z), X and Y divisible by 4.
+    Tokenizer(cfg, num_classes, grid) with grid = (X, Y, Z), X and Y divisible by d = cfg.downsample
+    (2**(levels-1); OccWorld's 4).
 
-    - encode(occ (..., X, Y, Z) uint8/long) -> codes (..., X/4, Y/4) long
-    - decode(codes (..., X/4, Y/4)) -> logits (..., C, X, Y, Z) float
+    - encode(occ (..., X, Y, Z) uint8/long) -> codes (..., X/d, Y/d) long
+    - decode(codes (..., X/d, Y/d)) -> logits (..., C, X, Y, Z) float
     - forward(occ) -> dict (see `forward`)
     - loss(logits, occ, vq) -> dict(loss, ce, lovasz, vq)
     - reset_dead_codes(candidates=None) -> int, to call after optimizer.step()
     - codebook -> (K, code_dim) weight, e.g. for WorldModel.init_code_embedding
     """
-
-    downsample = 4  # token map = (X / 4, Y / 4)
 
     def __init__(self, cfg: TokenizerConfig, num_classes: int, grid: tuple[int, int, int]):
         super().__init__()
@@ -469,12 +476,15 @@ class Tokenizer(nn.Module):
         grid = tuple(int(g) for g in grid)
         if len(grid) != 3 or min(grid) < 1:
             raise DataError(f"tokenizer: grid must be (X, Y, Z) of positive sizes, got {grid}")
-        if grid[0] % 4 or grid[1] % 4:
-            raise DataError(f"tokenizer: grid {grid}: X and Y must be divisible by 4 (two stride-2 downsamples)")
+        d = cfg.downsample
+        if grid[0] % d or grid[1] % d:
+            raise DataError(f"tokenizer: grid {grid}: X and Y must be divisible by {d} ({len(cfg.widths) - 1} "
+                            "stride-2 downsamples, tokenizer.widths)")
         if num_classes < 2:
             raise DataError(f"tokenizer: num_classes must be >= 2, got {num_classes}")
-        self.cfg, self.num_classes, self.grid = cfg, num_classes, grid
-        e, (w0, _, w2) = cfg.embed_dim, cfg.widths
+        self.cfg, self.num_classes, self.grid, self.downsample = cfg, num_classes, grid, d
+        e, w0, w2 = cfg.embed_dim, cfg.widths[0], cfg.widths[-1]
+        low = len(cfg.widths) - 1  # the lowest-resolution level
         cin = grid[2] * e
         nb = cfg.blocks_per_level
 
@@ -488,9 +498,9 @@ class Tokenizer(nn.Module):
             for _ in range(nb):
                 enc.append(ResBlock(c, w))
                 c = w
-                if level == 2 and cfg.lowest_attention:
+                if level == low and cfg.lowest_attention:
                     enc.append(AttnBlock(c, cfg.attn_heads))
-            if level < 2:
+            if level < low:
                 enc.append(Downsample(c))
         enc += [ResBlock(c, c), AttnBlock(c, cfg.attn_heads), ResBlock(c, c)]
         self.encoder = nn.ModuleList(enc)
@@ -503,12 +513,12 @@ class Tokenizer(nn.Module):
         self.dec_in = nn.Conv2d(cfg.code_dim, w2, 3, 1, 1)
         dec: list[nn.Module] = [ResBlock(w2, w2), AttnBlock(w2, cfg.attn_heads), ResBlock(w2, w2)]
         c = w2
-        for level in (2, 1, 0):
+        for level in reversed(range(len(cfg.widths))):
             w = cfg.widths[level]
             for _ in range(nb):
                 dec.append(ResBlock(c, w))
                 c = w
-                if level == 2 and cfg.lowest_attention:
+                if level == low and cfg.lowest_attention:
                     dec.append(AttnBlock(c, cfg.attn_heads))
             if level > 0:
                 dec.append(Upsample(c))
@@ -525,7 +535,7 @@ class Tokenizer(nn.Module):
 
     @property
     def token_shape(self) -> tuple[int, int]:
-        return self.grid[0] // 4, self.grid[1] // 4
+        return self.grid[0] // self.downsample, self.grid[1] // self.downsample
 
     def _ckpt_active(self) -> bool:
         return self.cfg.checkpoint_every > 0 and self.training and torch.is_grad_enabled()
@@ -536,7 +546,7 @@ class Tokenizer(nn.Module):
             raise ValueError(f"tokenizer: occupancy must be (..., {want}), got {tuple(occ.shape)}")
 
     def _encode_z(self, occ: Tensor) -> Tensor:
-        """occ (N, X, Y, Z) -> continuous z (N, code_dim, X/4, Y/4)."""
+        """occ (N, X, Y, Z) -> continuous z (N, code_dim, X/d, Y/d)."""
         n, x, y, zz = occ.shape
         idx = occ.long().permute(0, 3, 1, 2)  # (N, Z, X, Y)
         w = self.class_embed.weight
@@ -586,7 +596,7 @@ class Tokenizer(nn.Module):
 
     # -- public API
     def encode(self, occ: Tensor) -> Tensor:
-        """occ (..., X, Y, Z) uint8/long class ids -> codes (..., X/4, Y/4) long."""
+        """occ (..., X, Y, Z) uint8/long class ids -> codes (..., X/d, Y/d) long."""
         self._check_occ(occ)
         lead = occ.shape[:-3]
         z = self._encode_z(occ.reshape(-1, *self.grid))
@@ -595,7 +605,7 @@ class Tokenizer(nn.Module):
         return idx.reshape(*lead, h, w)
 
     def decode(self, codes: Tensor) -> Tensor:
-        """codes (..., X/4, Y/4) integer -> logits (..., C, X, Y, Z)."""
+        """codes (..., X/d, Y/d) integer -> logits (..., C, X, Y, Z)."""
         lead = codes.shape[:-2]
         c = codes.long().reshape(-1, *codes.shape[-2:])
         logits = self._decode_zq(self.quantizer.lookup(c))
@@ -606,7 +616,7 @@ class Tokenizer(nn.Module):
         occ, is nonzero, when given; see `loss`). Returns:
 
         - logits      (..., C, X, Y, Z) float
-        - codes       (..., X/4, Y/4) long
+        - codes       (..., X/d, Y/d) long
         - loss        scalar, ce_weight*ce + lovasz_weight*lovasz + vq_weight*vq (what to backward)
         - ce, lovasz, vq   the unweighted loss terms (scalars, with grad)
         - perplexity  exp(entropy) of the batch's code histogram (detached; K when all codes equally used)
@@ -662,7 +672,7 @@ class Tokenizer(nn.Module):
         return self.quantizer.reset_dead_codes(candidates)
 
     def token_mask(self, mask: Tensor) -> Tensor:
-        """Voxel mask (..., X, Y, Z) -> (..., X/4, Y/4) bool: the token cells whose column holds
+        """Voxel mask (..., X, Y, Z) -> (..., X/d, Y/d) bool: the token cells whose column holds
         at least one visible (nonzero) voxel, the cells a masked world-model loss counts."""
         d, (x, y, z) = self.downsample, self.grid
         m = (mask != 0).reshape(*mask.shape[:-3], x // d, d, y // d, d, z)

@@ -2,11 +2,12 @@
 
 Graphs (batch dimension dynamic in all of them):
 
-- `tokenizer_encode.onnx`: occupancy uint8 (B, X, Y, Z) -> codes int64 (B, X/4, Y/4).
+- `tokenizer_encode.onnx`: occupancy uint8 (B, X, Y, Z) -> codes int64 (B, X/d, Y/d), d =
+  tokenizer.downsample (OccWorld's 4).
 - `world_step.onnx`: ONE world-model step: codes int64 (B, T, h, w) + ego motion float32 (B, T, 3) of
   the frames so far (T dynamic, 2..world.max_frames) -> the next frame's codes (B, h, w) and
   predicted ego motion (B, 3).
-- `tokenizer_decode.onnx`: codes int64 (B, X/4, Y/4) -> logits float32 (B, C, X, Y, Z).
+- `tokenizer_decode.onnx`: codes int64 (B, X/d, Y/d) -> logits float32 (B, C, X, Y, Z).
 
 The forecast (past occupancy + motion -> future occupancy) is the host loop of
 :mod:`wm.export.forecast` over them: encode the past frames, call `world_step` once per future frame
@@ -173,7 +174,7 @@ def example_inputs(t: Trained, batch: int, seed: int = 0, frames: Optional[int] 
     X, Y, Z = cfg.data.grid
     C, K = cfg.data.num_classes, cfg.tokenizer.codebook_size
     T = frames or cfg.data.past
-    h, w = X // 4, Y // 4
+    h, w = X // cfg.tokenizer.downsample, Y // cfg.tokenizer.downsample
     occ = torch.randint(0, C, (batch, X, Y, Z), generator=g).to(torch.uint8)
     motion = torch.randn(batch, T, 3, generator=g) * torch.tensor([5.0, 0.5, 0.05])
     return {"tokenizer_encode": {"occ": occ},
