@@ -71,6 +71,8 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", nargs="*", default=["full"], choices=["full", "selective"],
                     help="checkpoint policies to time for every --ckpt value > 0")
     ap.add_argument("--compile", action="store_true", help="torch.compile each step (warm-up compiles)")
+    ap.add_argument("--models", nargs="+", choices=("tokenizer", "world"), default=["tokenizer", "world"],
+                    help="which models to time")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--amp", choices=["bf16", "fp16", "fp32"], default="bf16")
     ap.add_argument("--json", metavar="PATH")
@@ -103,6 +105,8 @@ def main(argv=None) -> int:
         for ck, pol in settings:
             tok, world = build(cfg, ck, "full" if pol == "-" else pol)
             for name, m in (("tokenizer", tok), ("world", world)):
+                if name not in a.models:
+                    continue
                 m = m.to(dev).train()
                 params = list(m.parameters())
                 ctx = (lambda: torch.autocast("cuda", dtype=dtype)) if dtype else torch.enable_grad
@@ -124,7 +128,10 @@ def main(argv=None) -> int:
                                        "ms_per_step": dt * 1e3, "samples_per_s": a.batch / dt,
                                        "peak_gib": peak, "activation_gib": act,
                                        "device": torch.cuda.get_device_name()})
-                print(f"{name:<10}{f'{ck} {pol}':>14}{dt * 1e3:>10.1f}{a.batch / dt:>11.2f}{peak:>10.2f}{act:>11.2f}")
+                print(f"{name:<10}{f'{ck} {pol}':>14}{dt * 1e3:>10.1f}{a.batch / dt:>11.2f}{peak:>10.2f}{act:>11.2f}",
+                      flush=True)
+                if a.json:  # after every setting: a run cut short keeps what it measured
+                    Path(a.json).write_text(json.dumps(out, indent=1))
                 m.to("cpu")
                 del m, params
                 torch.cuda.empty_cache()
