@@ -596,3 +596,35 @@ def test_logger_failing_mid_run_warns_once_and_training_finishes(tiny, monkeypat
     assert (tiny.run_dir() / "tokenizer" / "done.json").is_file()
     recs = [r for r in metrics_records(tiny.run_dir()) if r["kind"] == "tokenizer/train"]
     assert len(recs) == 4  # metrics.jsonl kept working
+
+
+def test_world_crop_trains_on_one_random_square_of_the_token_map():
+    """train.world_crop: every batch's codes (and cell mask) are cut to one crop x crop square, the
+    same for all its frames, at offsets drawn from the torch RNG (so resume replays them); 0 keeps
+    the whole map. The loss is the world model's loss on that square."""
+    from types import SimpleNamespace
+
+    from wm.world import WorldConfig, WorldModel
+    torch.manual_seed(0)
+    model = WorldModel(WorldConfig(widths=(8, 16), heads=2), 16)
+    codes = torch.randint(0, 16, (2, 4, 8, 6))
+    motion = torch.randn(2, 4, 3)
+    mask = torch.rand(2, 4, 8, 6) < 0.5
+    seen = []
+    model.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+    batch = {"codes": codes, "motion": motion, "mask": mask}
+
+    def stage(crop):
+        return SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(world_crop=crop)))
+
+    torch.manual_seed(5)
+    res = T.WorldStage.loss(stage(4), model, batch)
+    torch.manual_seed(5)  # the offsets the stage drew
+    i, j = int(torch.randint(0, 8 - 4 + 1, ())), int(torch.randint(0, 6 - 4 + 1, ()))
+    sq = codes[..., i:i + 4, j:j + 4]
+    assert torch.equal(seen[-1], sq[:, :-1])
+    ref = model.loss(model(sq[:, :-1], motion[:, :-1]), sq[:, 1:], motion[:, 1:],
+                     mask=mask[..., i:i + 4, j:j + 4][:, 1:])
+    assert torch.equal(res["loss"], ref["loss"])
+    T.WorldStage.loss(stage(0), model, batch)
+    assert seen[-1].shape == (2, 3, 8, 6)  # 0: the whole map

@@ -3,6 +3,7 @@
     python tools/bench_models.py --cfg configs/occworld.json                 # counts (meta device)
     python tools/bench_models.py --cfg configs/occworld.json --time --batch 1 --ckpt 0 1 --json out.json
     python tools/bench_models.py --cfg configs/occworld.json --time --ckpt 0 1 2 --policy full selective
+    python tools/bench_models.py --cfg configs/occworld.json --time --models world --ckpt 0 1 --compile
 
 With --time (CUDA): one training forward+backward per iteration under autocast (bf16 unless
 --amp), after warm-up, for each activation-checkpointing setting given (`--ckpt 0 1 2`: off, every

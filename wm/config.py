@@ -174,6 +174,10 @@ class TrainConfig:
     images: bool = True  # BEV pictures of ground truth vs forecast at each validation
     peak_tflops: float = 0.0  # the device's matrix peak, for MFU (0: MFU not reported)
     forecast_motion: str = "given"  # evaluation rollouts: "given" future ego motion, or "predicted"
+    # The world model is convolutional and attends over time per cell, so it can learn from windows of
+    # the token map: a random crop x crop square of every training batch (the same for all its frames)
+    # costs about (crop / side)^2 of a full step. Validation always runs on the whole map.
+    world_crop: int = 0  # world stage: train on random crop x crop token squares (0: the whole map)
 
     def validate(self) -> None:
         if not self.stages or any(s not in STAGES for s in self.stages) or len(set(self.stages)) != len(self.stages):
@@ -198,6 +202,8 @@ class TrainConfig:
             raise ConfigError("ddp_grad_dtype", f"{self.ddp_grad_dtype!r} must be fp32 or bf16")
         if self.peak_tflops < 0:
             raise ConfigError("peak_tflops", f"{self.peak_tflops} must be >= 0")
+        if self.world_crop < 0:
+            raise ConfigError("world_crop", f"{self.world_crop} must be >= 0 (0: the whole token map)")
         if self.forecast_motion not in ("given", "predicted"):
             raise ConfigError("forecast_motion", f"{self.forecast_motion!r} must be given or predicted")
 
@@ -287,6 +293,9 @@ class Config:
             raise ConfigError("data.grid", f"{list(self.data.grid)}: X and Y must be divisible by {d} (the "
                               f"tokenizer downsamples {len(self.tokenizer.widths) - 1} times by 2, "
                               "tokenizer.widths); convert the data with tools/convert_frames.py --crop or --pad")
+        if self.train.world_crop > min(self.data.grid[0] // d, self.data.grid[1] // d):
+            raise ConfigError("train.world_crop", f"{self.train.world_crop} is larger than the "
+                              f"{self.data.grid[0] // d}x{self.data.grid[1] // d} token map")
         if not self.data.root and self.data.span > self.synthetic.frames:
             raise ConfigError("data.past", f"a window of {self.data.window} frames at stride "
                               f"{self.data.stride} spans {self.data.span} frames, longer than the "

@@ -450,8 +450,14 @@ class WorldStage:
     def loss(self, model: nn.Module, batch: dict) -> dict:
         # forward through the wrapper (DDP hooks it), the loss terms on the plain module
         codes, motion = batch["codes"].long(), batch["motion"]
+        mask = batch["mask"] if "mask" in batch else None  # token cells, with data.use_mask
+        c = self.cfg.train.world_crop
+        if c and c < max(codes.shape[-2:]):  # one random square of the map (torch RNG: resumes exactly)
+            i, j = (int(torch.randint(0, n - c + 1, ())) for n in codes.shape[-2:])
+            codes = codes[..., i:i + c, j:j + c]
+            mask = None if mask is None else mask[..., i:i + c, j:j + c]
         out = model(codes[:, :-1], motion[:, :-1])
-        mask = batch["mask"][:, 1:] if "mask" in batch else None  # token cells, with data.use_mask
+        mask = None if mask is None else mask[:, 1:]
         res = unwrap(model).loss(out, codes[:, 1:], motion[:, 1:], mask=mask)
         res["copy_last_acc"] = (codes[:, 1:] == codes[:, :-1]).float().mean()
         return res
