@@ -30,7 +30,8 @@ def test_every_key_of_every_section_is_listed_with_type_default_and_meaning():
         assert m, f"{key} has no meaning: write a comment on its line in its dataclass"
         assert json.loads(d) == C.to_dict(cfg)[sec][k]
         assert t == C._type_name(C._hints(type(getattr(cfg, sec)))[k])
-    assert listed["world_stage.batch_size"][1] == "0" and listed["data.batch_size"][1] == "8"
+    assert listed["tokenizer_stage.batch_size"][1] == "0" and listed["data.batch_size"][1] == "8"
+    assert listed["world_stage.batch_size"][1] == "4"  # the demo world stage's own (small steps)
 
 
 def test_meanings_come_from_the_comment_on_the_fields_line():
@@ -52,14 +53,15 @@ def test_help_config_prints_it():
 
 
 def test_stages_inherit_data_batch_size_unless_they_set_their_own():
-    cfg = C.load(None, ["data.batch_size=3"])
+    cfg = C.load(None, ["data.batch_size=3", "world_stage.batch_size=0"])
     assert C.stage_batch(cfg, "tokenizer") == (3, "data.batch_size")
     assert C.stage_batch(cfg, "world") == (3, "data.batch_size")
     cfg = C.load(None, ["data.batch_size=3", "world_stage.batch_size=5"])
     assert C.stage_batch(cfg, "world") == (5, "world_stage.batch_size")
-    # a run folder written when the stages had their own default of 8 is the same config
+    assert C.stage_batch(C.load(None), "world") == (4, "world_stage.batch_size")  # the demo's own
+    # a run folder written when the tokenizer stage had its own default of 8 is the same config
     old = C.to_dict(C.Config())
-    old["tokenizer_stage"]["batch_size"] = old["world_stage"]["batch_size"] = 8
+    old["tokenizer_stage"]["batch_size"] = 8
     assert C.resolve_batch_sizes(old) == C.resolve_batch_sizes(C.to_dict(C.Config()))
 
 
@@ -75,7 +77,7 @@ def test_the_log_says_where_the_batch_size_came_from(tiny, restore_signals, caps
 
 @pytest.mark.parametrize("over, words", [
     (["data.future=30"], "set --set world.max_frames=34"),
-    (["data.grid=98,64,10"], "tools/convert_frames.py --crop or --pad"),
+    (["data.grid=99,64,10"], "tools/convert_frames.py --crop or --pad"),
 ])
 def test_refusals_say_the_value_to_use(over, words):
     with pytest.raises(C.ConfigError) as e:

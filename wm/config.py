@@ -118,12 +118,12 @@ class SyntheticConfig:
     val_scenes: int = 6  # scenes generated for the val split
     frames: int = 40  # per scene (nuScenes scenes have ~40 at 2 Hz)
     seed: int = 0  # the scenes follow from it
-    format: str = "hdf5"  # hdf5 | memmap
+    format: str = "memmap"  # memmap (the demo's: no decoding on 2 cores) | hdf5
     compression: str = "zstd3"  # HDF5 only: see wm.shards.COMPRESSIONS (zstd needs hdf5plugin)
     with_mask: bool = True  # write sensor-style visibility masks
-    # blocks: solid columns, 37 % occupied (the demo's default until it meets its targets on occ3d);
-    # occ3d: observed surfaces, lidar-like masks, nuScenes-like traffic, Occ3D's statistics
-    style: str = "blocks"  # which generator: blocks | occ3d (wm/synthetic.py)
+    # occ3d: observed surfaces, lidar-like masks, nuScenes-like traffic, Occ3D's statistics;
+    # blocks: solid columns, 37 % occupied (the first generator, far easier than Occ3D)
+    style: str = "occ3d"  # which generator: occ3d | blocks (wm/synthetic.py)
     # Generated once, into <cache_dir>/<hash of these settings>. Empty: $WM_CACHE or ~/.cache/wm.
     cache_dir: str = ""  # where generated sets are kept (empty: $WM_CACHE or ~/.cache/wm)
 
@@ -176,8 +176,9 @@ class TrainConfig:
     forecast_motion: str = "given"  # evaluation rollouts: "given" future ego motion, or "predicted"
     # The world model is convolutional and attends over time per cell, so it can learn from windows of
     # the token map: a random crop x crop square of every training batch (the same for all its frames)
-    # costs about (crop / side)^2 of a full step. Validation always runs on the whole map.
-    world_crop: int = 0  # world stage: train on random crop x crop token squares (0: the whole map)
+    # costs about (crop / side)^2 of a full step. A map side shorter than crop is kept whole.
+    # Validation always runs on the whole map.
+    world_crop: int = 0  # world stage: train on random squares of at most crop x crop tokens (0: the whole map)
 
     def validate(self) -> None:
         if not self.stages or any(s not in STAGES for s in self.stages) or len(set(self.stages)) != len(self.stages):
@@ -222,7 +223,7 @@ class StageConfig:
     weight_decay: float = 0.01  # AdamW weight decay on matrices and kernels
     betas: tuple[float, ...] = (0.9, 0.95)  # AdamW betas
     clip: float = 35.0  # gradient-norm clip (0: off; the norm is still logged)
-    eval_every: int = 0  # optimizer steps between validations (0: at each epoch end)
+    eval_every: int = 0  # optimizer steps between validations (0: at each epoch end; -1: only at the end)
     best_metric: str = "val/miou"  # the validation metric that picks best.pt (see best_mode)
     best_mode: str = "max"  # max: higher best_metric is better; min: lower is better
     early_stop: int = 0  # stop after this many validations without improvement (0: never)
@@ -231,7 +232,9 @@ class StageConfig:
         for k in ("epochs", "grad_accum"):
             if getattr(self, k) < 1:
                 raise ConfigError(k, f"{getattr(self, k)} must be >= 1")
-        for k in ("max_steps", "batch_size", "warmup_steps", "eval_every", "early_stop"):
+        if self.eval_every < -1:
+            raise ConfigError("eval_every", f"{self.eval_every} must be >= 0, or -1 (only at the end)")
+        for k in ("max_steps", "batch_size", "warmup_steps", "early_stop"):
             if getattr(self, k) < 0:
                 raise ConfigError(k, f"{getattr(self, k)} must be >= 0")
         if not self.lr > 0:
@@ -253,20 +256,27 @@ class StageConfig:
 # The defaults are the demo (`python train.py` on 2 CPU cores in a few minutes); configs/occworld.json
 # holds OccWorld's sizes and recipe.
 # The stages' batch_size is 0: both inherit data.batch_size unless a config sets their own.
+# Each choice below was measured on the occ3d scenes (BENCHMARKS.md, "Issue 14: a finer token grid").
 def _tokenizer_stage() -> StageConfig:
-    # 3 epochs on the default (blocks) scenes; configs/demo_occ3d.json, on the Occ3D-like ones, needs 6
-    return StageConfig(epochs=3, lr=2e-3, warmup_steps=30, batch_size=0, best_metric="val/miou")
+    return StageConfig(epochs=5, lr=4e-3, warmup_steps=30, batch_size=0, best_metric="val/miou")
 
 
 def _world_stage() -> StageConfig:
-    return StageConfig(epochs=5, lr=1e-3, warmup_steps=30, batch_size=0, best_metric="val/miou")
+    # more, smaller steps at a higher rate; one validation at the end (each costs ~1.5 min on 2 cores)
+    return StageConfig(epochs=3, batch_size=4, lr=4e-3, warmup_steps=10, eval_every=-1, best_metric="val/miou")
 
 
 def _demo_tokenizer() -> TokenizerConfig:
-    # Lovasz-softmax off in the demo: on a CPU it is 60 % of a tokenizer step, and cross-entropy
-    # alone reaches ~95 % reconstruction IoU on the (blocks) synthetic scenes in three epochs.
-    # configs/demo_occ3d.json holds what the Occ3D-like scenes needed instead (BENCHMARKS.md).
-    return TokenizerConfig(lovasz_weight=0.0)
+    # 2 levels: at the demo's 1.25 m voxels a pedestrian or a cone is one voxel, which a token of
+    # 4x4 columns loses and one of 2x2 keeps (+10 to +18 reconstruction mIoU). Class-weighted CE keeps
+    # the small classes; Lovasz-softmax off: on a CPU it is 60 % of a tokenizer step.
+    return TokenizerConfig(widths=(32, 64), lowest_attention=False, codebook_size=512, code_dim=64,
+                           class_weight_power=0.5, lovasz_weight=0.0)
+
+
+def _demo_train() -> TrainConfig:
+    # the world model learns from 16x16 squares of the 32x32 token map: a quarter of the compute
+    return TrainConfig(world_crop=16)
 
 
 @dataclass
@@ -276,7 +286,7 @@ class Config:
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     tokenizer: TokenizerConfig = field(default_factory=_demo_tokenizer)
     world: WorldConfig = field(default_factory=WorldConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: TrainConfig = field(default_factory=_demo_train)
     tokenizer_stage: StageConfig = field(default_factory=_tokenizer_stage)
     world_stage: StageConfig = field(default_factory=_world_stage)
 
@@ -293,9 +303,6 @@ class Config:
             raise ConfigError("data.grid", f"{list(self.data.grid)}: X and Y must be divisible by {d} (the "
                               f"tokenizer downsamples {len(self.tokenizer.widths) - 1} times by 2, "
                               "tokenizer.widths); convert the data with tools/convert_frames.py --crop or --pad")
-        if self.train.world_crop > min(self.data.grid[0] // d, self.data.grid[1] // d):
-            raise ConfigError("train.world_crop", f"{self.train.world_crop} is larger than the "
-                              f"{self.data.grid[0] // d}x{self.data.grid[1] // d} token map")
         if not self.data.root and self.data.span > self.synthetic.frames:
             raise ConfigError("data.past", f"a window of {self.data.window} frames at stride "
                               f"{self.data.stride} spans {self.data.span} frames, longer than the "

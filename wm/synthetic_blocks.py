@@ -5,9 +5,9 @@ solid blocks of buildings, trees, terrain and parking, with poles, barriers and 
 buses, bicycles and pedestrians move along it at constant speeds, and the ego drives its lane at a
 slowly varying speed. Every column is filled from the ground up, so about 37 % of voxels are
 occupied and the two lowest levels are full: far easier than Occ3D (wm/synthetic.py's docstring and
-BENCHMARKS.md, "Synthetic scenes against Occ3D"). They stay the demo's default
-(`synthetic.style = "blocks"`) until the demo meets issue 14's targets on the Occ3D-like scenes
-(`synthetic.style = "occ3d"`, configs/demo_occ3d.json); the constants are wm.synthetic's.
+BENCHMARKS.md, "Synthetic scenes against Occ3D"). `synthetic.style = "blocks"` selects them
+(configs/demo_blocks.json: the first demo); the default is the Occ3D-like `occ3d`. The constants are
+wm.synthetic's.
 """
 
 from __future__ import annotations

@@ -453,9 +453,11 @@ class WorldStage:
         mask = batch["mask"] if "mask" in batch else None  # token cells, with data.use_mask
         c = self.cfg.train.world_crop
         if c and c < max(codes.shape[-2:]):  # one random square of the map (torch RNG: resumes exactly)
-            i, j = (int(torch.randint(0, n - c + 1, ())) for n in codes.shape[-2:])
-            codes = codes[..., i:i + c, j:j + c]
-            mask = None if mask is None else mask[..., i:i + c, j:j + c]
+            (h, w) = codes.shape[-2:]
+            ch, cw = min(c, h), min(c, w)
+            i, j = int(torch.randint(0, h - ch + 1, ())), int(torch.randint(0, w - cw + 1, ()))
+            codes = codes[..., i:i + ch, j:j + cw]
+            mask = None if mask is None else mask[..., i:i + ch, j:j + cw]
         out = model(codes[:, :-1], motion[:, :-1])
         mask = None if mask is None else mask[:, 1:]
         res = unwrap(model).loss(out, codes[:, 1:], motion[:, 1:], mask=mask)
@@ -770,7 +772,7 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
     model, batch, opt, scaler, sampler, loader = (parts.model, parts.batch, parts.opt, parts.scaler,
                                                   parts.sampler, parts.loader)
     steps_per_epoch, total = parts.steps_per_epoch, parts.total
-    eval_every = s.eval_every or steps_per_epoch
+    eval_every = total if s.eval_every < 0 else (s.eval_every or steps_per_epoch)  # -1: only at the end
     ckpt = Checkpointer(sdir / "checkpoints", cfg.train.keep_last, s.best_metric, s.best_mode,
                         cfg.train.async_ckpt) if d.is_main else None
 
