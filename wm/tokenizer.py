@@ -482,7 +482,7 @@ class Tokenizer(nn.Module):
                             "stride-2 downsamples, tokenizer.widths)")
         if num_classes < 2:
             raise DataError(f"tokenizer: num_classes must be >= 2, got {num_classes}")
-        self.cfg, self.num_classes, self.grid, self.downsample = cfg, num_classes, grid, d
+        self.cfg, self.num_classes, self.grid = cfg, num_classes, grid
         e, w0, w2 = cfg.embed_dim, cfg.widths[0], cfg.widths[-1]
         low = len(cfg.widths) - 1  # the lowest-resolution level
         cin = grid[2] * e
@@ -532,6 +532,11 @@ class Tokenizer(nn.Module):
     @property
     def codebook(self) -> Tensor:
         return self.quantizer.codebook.weight
+
+    @property
+    def downsample(self) -> int:
+        """Voxel columns per token along X and along Y (cfg.downsample)."""
+        return self.cfg.downsample
 
     @property
     def token_shape(self) -> tuple[int, int]:
