@@ -628,3 +628,27 @@ def test_world_crop_trains_on_one_random_square_of_the_token_map():
     assert torch.equal(res["loss"], ref["loss"])
     T.WorldStage.loss(stage(0), model, batch)
     assert seen[-1].shape == (2, 3, 8, 6)  # 0: the whole map
+
+
+def test_logged_rate_leaves_out_the_validation_time(tiny, restore_signals, one_thread, monkeypatch):
+    """perf/samples_per_s after a validation counts the training steps only: a validation that
+    takes 2 s must not show up as a slow training interval."""
+    import time
+
+    slept = []
+    real = T.TokenizerStage.evaluate
+
+    def slow_evaluate(self, *a, **kw):
+        time.sleep(2.0)
+        slept.append(True)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(T.TokenizerStage, "evaluate", slow_evaluate)
+    args = tiny.args(tokenizer_stage__max_steps=4, tokenizer_stage__eval_every=2, train__log_every=1)
+    assert T.main(args) == 0
+    assert len(slept) == 2  # after steps 2 and 4
+    recs = [json.loads(ln) for ln in (tiny.run_dir() / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    rates = {r["step"]: r["perf/samples_per_s"] for r in recs if "perf/samples_per_s" in r}
+    batch = 2  # tiny's data.batch_size
+    # step 3's interval holds the step 2 validation if the timer is not paused: then < batch / 2 s
+    assert rates[3] > batch / 1.0, rates

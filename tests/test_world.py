@@ -147,6 +147,38 @@ def test_rollout_horizon_and_causality():
             assert torch.equal(ms[:, :s], mg[:, :s])
 
 
+def test_cached_rollout_is_the_full_recompute():
+    """rollout's key/value cache (only the new frame runs through the trunk) gives the rollout that
+    recomputes every frame at every step: the same codes, motion to float rounding, with predicted and
+    with given motion, 1 and 2 pose/temporal layers; a rollout past max_frames slides the window and
+    does not use the cache; step() with a cache returns the full pass's last-frame prediction."""
+    torch.manual_seed(0)
+    for kw in (dict(), dict(temporal_layers=2, pose_layers=2, blocks_per_level=2)):
+        m = WorldModel(tiny_cfg(max_frames=8, **kw), 32).eval()
+        for p in m.parameters():  # a trained model's scale: argmax margins as a real rollout sees
+            p.data.mul_(3.0) if p.dim() > 1 else None
+        past, past_motion = torch.randint(0, 32, (3, 4, 8, 8)), torch.randn(3, 4, 3)
+        fut = torch.randn(3, 5, 3)
+        with torch.no_grad():
+            for given in (None, fut):
+                c1, m1 = m.rollout(past, past_motion, 5, future_motion=given, cache=True)
+                c0, m0 = m.rollout(past, past_motion, 5, future_motion=given, cache=False)
+                assert torch.equal(c1, c0)
+                assert torch.allclose(m1, m0, atol=1e-5)
+            kv: dict = {}
+            codes, motion = torch.randint(0, 32, (3, 7, 8, 8)), torch.randn(3, 7, 3)
+            for t in (3, 4, 7):  # frames 0..2 at once, then one, then three more
+                got = m.step(codes[:, :t], motion[:, :t], kv)
+                ref = m.step(codes[:, :t], motion[:, :t])
+                assert torch.equal(got[0], ref[0]) and torch.allclose(got[1], ref[1], atol=1e-5), t
+            assert kv["frames"] == 7
+    # past 4 + 6 steps needs 9 > max_frames=8 input frames: the window slides, no cache, same as before
+    with torch.no_grad():
+        c1, _ = m.rollout(past, past_motion, 6, cache=True)
+        c0, _ = m.rollout(past, past_motion, 6, cache=False)
+    assert torch.equal(c1, c0)
+
+
 def test_motion_helpers_and_constant_velocity_prior():
     poses = torch.tensor([[[0.0, 0.0, 0.0], [1.0, 0.5, 0.1], [1.9, 1.2, 0.2]]])
     d = displacement(poses)

@@ -884,7 +884,9 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
         evaluated = False
         if step % eval_every == 0 or step == total:
             model.eval()
+            t_eval = time.perf_counter()
             last_val, pics = stage.evaluate(model, d, dtype, device)
+            t_last += time.perf_counter() - t_eval  # the next logged samples/s is of training steps only
             model.train()
             evaluated = True
             log.scalars(step, last_val, kind=f"{stage.name}/val")
