@@ -36,6 +36,7 @@ TINY_SETTINGS = {
     "world.widths": "8,16",
     "world.heads": "2",
     "train.device": "cpu",
+    "train.amp": "fp32",  # the hand-checked numbers are fp32's ("auto" is bf16 on a CPU with AMX)
     "train.tensorboard": "false",
     "train.log_every": "1",
     "train.stages": "tokenizer",

@@ -150,9 +150,9 @@ def reference_lovasz(probs, labels, classes="present"):
     [(500, 1 << 27), (500, 1000), (9000, 1 << 27)],  # all classes at once; 2 classes a chunk; blocked scans
 )
 def test_lovasz_matches_reference_value_and_grad(points, chunk_elements, monkeypatch):
-    import wm.tokenizer as tk
+    import wm.lovasz
 
-    monkeypatch.setattr(tk, "LOVASZ_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(wm.lovasz, "CHUNK_ELEMENTS", chunk_elements)
     torch.manual_seed(0)
     logits = torch.randn(points, 6, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, 5, (points,))  # class 5 absent: excluded as in classes='present'

@@ -652,3 +652,18 @@ def test_logged_rate_leaves_out_the_validation_time(tiny, restore_signals, one_t
     batch = 2  # tiny's data.batch_size
     # step 3's interval holds the step 2 validation if the timer is not paused: then < batch / 2 s
     assert rates[3] > batch / 1.0, rates
+
+
+def test_auto_precision_is_bf16_on_cuda_and_on_cpus_with_amx(monkeypatch):
+    """train.amp=auto: bf16 on CUDA; on a CPU bf16 only where AMX multiplies bf16 natively."""
+    cfg = Config()
+    assert cfg.train.amp == "auto"
+    assert T.amp_dtype(cfg, torch.device("cuda")) == torch.bfloat16
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert T.amp_dtype(cfg, torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert T.amp_dtype(cfg, torch.device("cpu")) is None
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)  # an older torch
+    assert T.amp_dtype(cfg, torch.device("cpu")) is None
+    cfg.train.amp = "fp32"
+    assert T.amp_dtype(cfg, torch.device("cuda")) is None

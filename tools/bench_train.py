@@ -194,7 +194,7 @@ class Runner:
         self.sampler, self.loader, self.total = p.sampler, p.loader, p.total
         T.seed_all(cfg.run.seed * 1000 + d.rank)
         self.ddp = T.wrap_ddp(self.model, cfg, device, d)
-        self.fwd = torch.compile(self.ddp) if cfg.train.compile else self.ddp
+        self.fwd = T.compiled(self.ddp, cfg)
         self.next_batch = T.BatchStream(self.loader, self.sampler, self.batch * d.world_size)
         self.step_no = 0
         self.model.train()
@@ -305,7 +305,7 @@ class Bench:
         prec = "fp32" if dtype is None else {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
         rec = {"stage": stage, "variant": name, "status": "ok", "amp": prec, "batch": runner.batch,
                "grad_accum": s.grad_accum, "global_batch": runner.batch * s.grad_accum * d.world_size,
-               "world_size": d.world_size, "compile": cfg.train.compile,
+               "world_size": d.world_size, "compile": cfg.train.compile, "compile_mode": cfg.train.compile_mode,
                "checkpoint_every": getattr(cfg, stage).checkpoint_every,
                "data": ("occupancy windows, encoded each step" if onthefly else
                         "token cache" if stage == "world" else "occupancy frames"),
@@ -389,7 +389,8 @@ class Bench:
             s = getattr(cfg, f"{stage}_stage")
             return {"stage": stage, "variant": name, "batch": s.batch_size, "amp": cfg.train.amp,
                     "status": "oom" if code == 2 else (status if status != "ok" else "error on another rank"),
-                    "compile": cfg.train.compile, "checkpoint_every": getattr(cfg, stage).checkpoint_every,
+                    "compile": cfg.train.compile, "compile_mode": cfg.train.compile_mode,
+                    "checkpoint_every": getattr(cfg, stage).checkpoint_every,
                     "world_size": self.d.world_size}
         return rec
 

@@ -149,6 +149,7 @@ class SyntheticConfig:
 
 STAGES = ("tokenizer", "world")
 AMP = ("auto", "bf16", "fp16", "fp32")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 
 
 @dataclass
@@ -157,8 +158,12 @@ class TrainConfig:
 
     stages: tuple[str, ...] = STAGES  # run these stages in this order
     device: str = "auto"  # auto (CUDA if present) | cuda | cpu
-    amp: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU | bf16 | fp16 (with GradScaler) | fp32
+    # auto: bf16 autocast on CUDA and on CPUs with AMX (native bf16 matrices), fp32 on other CPUs
+    amp: str = "auto"  # auto | bf16 | fp16 (with GradScaler) | fp32
     compile: bool = False  # torch.compile the model
+    # reduce-overhead: CUDA graphs (one launch per graph instead of one per kernel; static shapes,
+    # more memory); max-autotune: inductor's kernel search (minutes of compilation)
+    compile_mode: str = "default"  # torch.compile's mode: default | reduce-overhead | max-autotune[-no-cudagraphs]
     log_every: int = 10  # optimizer steps between console/TensorBoard records
     ckpt_every: int = 200  # optimizer steps between checkpoints (also at stage end and on SIGTERM)
     keep_last: int = 3  # step checkpoints kept (>= 2); the best is kept apart
@@ -187,6 +192,8 @@ class TrainConfig:
             raise ConfigError("stages", "the tokenizer stage must come before the world stage")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ConfigError("device", f"{self.device!r} must be auto, cuda or cpu")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ConfigError("compile_mode", f"{self.compile_mode!r} must be one of {list(COMPILE_MODES)}")
         if self.amp not in AMP:
             raise ConfigError("amp", f"{self.amp!r} must be one of {list(AMP)}")
         for k in ("log_every", "ckpt_every", "max_nonfinite"):

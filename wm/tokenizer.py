@@ -34,6 +34,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from wm.errors import ConfigError, DataError
+from wm.lovasz import IMPLS as LOVASZ_IMPLS
+from wm.lovasz import lovasz_softmax
 
 __all__ = [
     "TokenizerConfig",
@@ -64,6 +66,9 @@ class TokenizerConfig:
     commitment: float = 0.25  # beta: VQ loss = |sg(z)-e|^2 + beta * |z-sg(e)|^2
     ce_weight: float = 10.0  # weight of the cross-entropy loss
     lovasz_weight: float = 1.0  # weight of the Lovasz-softmax loss (0: off)
+    # "histogram" ranks the errors by bins of relative width 2**-10 instead of a sort: the loss within
+    # 2**-10 of the exact one, 3.5x faster on an H200 (wm/lovasz.py, fused Triton kernels on CUDA)
+    lovasz_impl: str = "sort"  # how the Lovasz loss ranks errors: sort (exact, OccWorld's) | histogram
     vq_weight: float = 1.0  # weight of the vector-quantizer loss
     dead_code_steps: int = 100  # reset codes unused for this many training forwards; 0 = never
     checkpoint_every: int = 0  # activation checkpointing: 0 off, 1 every block, k every k-th block
@@ -125,6 +130,9 @@ class TokenizerConfig:
             raise ConfigError("class_weight_power", f"must be in [0, 2] (0 = plain CE), got {self.class_weight_power}")
         if not (self.class_weight_max >= 1 and math.isfinite(self.class_weight_max)):
             raise ConfigError("class_weight_max", f"must be a finite number >= 1, got {self.class_weight_max}")
+        if self.lovasz_impl not in LOVASZ_IMPLS:
+            raise ConfigError("lovasz_impl", f"must be one of {', '.join(LOVASZ_IMPLS)} (exact, or ranked by "
+                              f"error bins without a sort), got {self.lovasz_impl!r}")
         if self.dead_code_steps < 0:
             raise ConfigError("dead_code_steps", f"must be >= 0 (0 = off), got {self.dead_code_steps}")
         if self.checkpoint_every < 0:
@@ -355,93 +363,6 @@ class VectorQuantizer(nn.Module):
 # ------------------------------------------------------------------------------------------ losses
 
 
-LOVASZ_CHUNK_ELEMENTS = 1 << 27  # class-chunk size bound of lovasz_softmax's temporaries (~33 B each)
-
-
-def _row_cumsum(x: Tensor, block: int = 1024) -> Tensor:
-    """Inclusive cumsum along dim 1 of a (R, P) integer tensor with few, very long rows, in x's dtype.
-    Blocked (cumsum inside blocks, then over block totals) so that GPUs scan many short rows in parallel
-    instead of R long ones."""
-    r, p = x.shape
-    if p <= 4 * block:
-        return x.cumsum(1, dtype=x.dtype)
-    xb = F.pad(x, (0, (-p) % block)).view(r, -1, block)
-    inner = xb.cumsum(2, dtype=x.dtype)
-    totals = inner[:, :, -1]
-    offsets = totals.cumsum(1, dtype=x.dtype) - totals
-    return (inner + offsets[:, :, None]).view(r, -1)[:, :p]
-
-
-def _lovasz_terms(probs: Tensor, labels: Tensor, present_only: bool) -> tuple[Tensor, Tensor]:
-    """Loss and its gradient w.r.t. `probs` (the Lovasz extension is piecewise linear: for a fixed sort
-    order the gradient of each class's loss w.r.t. its sorted errors is the Lovasz gradient vector).
-
-    Works class-major (C, P) so that the sort, gather and scans run over contiguous rows, a chunk of
-    classes at a time so that the temporaries stay near LOVASZ_CHUNK_ELEMENTS however large the batch.
-    Counts are exact integers (int32/int64), and the Lovasz gradient J_i - J_{i-1} of the Jaccard loss
-    J_i = 1 - I_i / U_i is taken in closed form (1/U_i at a foreground point, I_i / (U_i (U_i - 1)) at a
-    background one) instead of by subtracting neighbours, which cancels catastrophically in float32
-    once a class has millions of points."""
-    num_points, num_classes = probs.shape
-    dtype, dev = probs.dtype, probs.device
-    counts = torch.zeros(num_classes, device=dev, dtype=torch.long).index_add_(0, labels, torch.ones_like(labels))
-    if present_only:
-        weight = (counts > 0).to(dtype)
-        weight = weight / weight.sum().clamp_min(1.0)
-    else:
-        weight = torch.full((num_classes,), 1.0 / num_classes, device=dev, dtype=dtype)
-    rank = torch.arange(1, num_points + 1, device=dev, dtype=torch.int32)[None]  # points up to and incl. i
-    grad = torch.empty(num_classes, num_points, device=dev, dtype=dtype)
-    loss = probs.new_zeros(())
-    chunk = max(1, min(num_classes, LOVASZ_CHUNK_ELEMENTS // max(num_points, 1)))
-    for c0 in range(0, num_classes, chunk):
-        c1 = min(c0 + chunk, num_classes)
-        fg = labels[None, :] == torch.arange(c0, c1, device=dev)[:, None]  # (c, P) bool
-        diff = fg.to(dtype) - probs[:, c0:c1].t()
-        errors_sorted, perm = torch.sort(diff.abs(), dim=1, descending=True)  # the chunk's classes in one sort
-        fg_sorted = fg.gather(1, perm)
-        del fg
-        cum_fg = _row_cumsum(fg_sorted.to(torch.int32))
-        gts = counts[c0:c1, None].to(torch.int32)
-        inter = (gts - cum_fg).to(dtype)  # I_i = |gt minus predicted-so-far foreground|
-        union = (gts + rank - cum_fg).to(dtype)  # U_i = |gt union points so far|
-        del cum_fg
-        g = torch.where(fg_sorted, 1.0 / union, inter / (union * (union - 1.0)).clamp_min(1.0))
-        g[:, 0] = 1.0 - inter[:, 0] / union[:, 0]  # J_0 itself
-        del fg_sorted, inter, union
-        w = weight[c0:c1, None]
-        g.mul_(w)
-        loss = loss + (errors_sorted * g).sum()
-        del errors_sorted
-        # d loss / d errors (unsorted) = scatter of the weighted Lovasz gradient; d errors / d probs = -sign(diff)
-        grad[c0:c1].scatter_(1, perm, g).mul_(diff.sign_().neg_())
-    return loss, grad.t()
-
-
-class _LovaszSoftmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, probs: Tensor, labels: Tensor, present_only: bool) -> Tensor:
-        loss, grad = _lovasz_terms(probs.detach(), labels, present_only)
-        ctx.save_for_backward(grad)  # one (P, C) tensor instead of sort indices + errors + gradients
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        (grad,) = ctx.saved_tensors
-        return grad_out * grad, None, None
-
-
-@torch.compiler.disable  # sort/scan code: nothing for a compiler to fuse (and Inductor's scan codegen fails on it)
-def lovasz_softmax(probs: Tensor, labels: Tensor, present_only: bool = True) -> Tensor:
-    """Multi-class Lovasz-softmax loss (Berman et al. 2018, classes='present'), vectorised over classes.
-
-    probs: (P, C) class probabilities; labels: (P,) long. The mean over classes present in `labels`
-    (or over all classes). Same value and gradient as the reference's per-class loop; the classes are
-    sorted together (one torch.sort per chunk of classes) and backward keeps a single (P, C) tensor.
-    """
-    return _LovaszSoftmax.apply(probs, labels.long(), present_only)
-
-
 def masked_cross_entropy(logits: Tensor, target: Tensor, mask: Tensor, weight: Tensor | None = None) -> Tensor:
     """Cross-entropy averaged over the positions where `mask` (shaped like `target`) is nonzero:
     logits (N, C, ...), target (N, ...) long. A masked-out position's label has no effect on the
@@ -666,7 +587,7 @@ class Tokenizer(nn.Module):
             if mask is not None:  # the visible points only (Lovasz ranks errors over whatever it is given)
                 keep = mask.reshape(-1) != 0
                 probs, labels = probs[keep], labels[keep]
-            lov = lovasz_softmax(probs, labels) if labels.numel() else probs.sum() * 0.0
+            lov = lovasz_softmax(probs, labels, impl=cfg.lovasz_impl) if labels.numel() else probs.sum() * 0.0
         else:
             lov = ce.new_zeros(())
         total = cfg.ce_weight * ce + cfg.lovasz_weight * lov + cfg.vq_weight * vq
