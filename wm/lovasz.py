@@ -44,10 +44,15 @@ def _present_weights(labels: Tensor, num_classes: int, present_only: bool, dtype
     or all)."""
     counts = torch.zeros(num_classes, device=labels.device, dtype=torch.long)
     counts.index_add_(0, labels, torch.ones_like(labels))
+    return counts, class_weights(counts, present_only, dtype)
+
+
+def class_weights(counts: Tensor, present_only: bool, dtype) -> Tensor:
+    """Each class's weight in the loss's mean, from the foreground counts: the present classes', or all."""
     if present_only:
         weight = (counts > 0).to(dtype)
-        return counts, weight / weight.sum().clamp_min(1.0)
-    return counts, torch.full((num_classes,), 1.0 / num_classes, device=labels.device, dtype=dtype)
+        return weight / weight.sum().clamp_min(1.0)
+    return torch.full(counts.shape, 1.0 / counts.numel(), device=counts.device, dtype=dtype)
 
 
 def _chunks(num_points: int, num_classes: int):
