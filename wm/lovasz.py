@@ -42,8 +42,9 @@ FUSED = True  # "histogram" on CUDA runs wm.lovasz_cuda's Triton kernels (False:
 def _present_weights(labels: Tensor, num_classes: int, present_only: bool, dtype) -> tuple[Tensor, Tensor]:
     """Foreground count per class (long) and each class's weight in the mean (present classes only,
     or all)."""
-    counts = torch.zeros(num_classes, device=labels.device, dtype=torch.long)
-    counts.index_add_(0, labels, torch.ones_like(labels))
+    # a comparison and a sum per class, not an index_add_: on a GPU its atomic adds into C counters,
+    # most of them into the free class's, serialise (15 ms for 20 M labels on an H200)
+    counts = (labels[None, :] == torch.arange(num_classes, device=labels.device)[:, None]).sum(1)
     return counts, class_weights(counts, present_only, dtype)
 
 

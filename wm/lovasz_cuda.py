@@ -78,8 +78,7 @@ def histogram_terms(probs: Tensor, labels: Tensor, present_only: bool, bits: int
     hist = torch.zeros(num_classes * bins * 2, device=probs.device, dtype=torch.int32)
     _histogram_kernel[grid](probs, labels, hist, num_points, num_classes, cp, bins, shift, BLOCK_POINTS)
     hist = hist.view(num_classes, bins, 2)
-    # the foreground counts are the histogram's (no pass over the labels, whose atomic adds into
-    # 18 counters, 93 % of them into the free class's, would serialise)
+    # the foreground counts are the histogram's (no other pass over the labels)
     counts = hist[..., 1].sum(1)
     weight = class_weights(counts, present_only, probs.dtype)
     table = _bin_gradients(hist.flip(1), counts).flip(1).mul_(weight[:, None, None].to(torch.float64))

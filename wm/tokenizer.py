@@ -67,7 +67,7 @@ class TokenizerConfig:
     ce_weight: float = 10.0  # weight of the cross-entropy loss
     lovasz_weight: float = 1.0  # weight of the Lovasz-softmax loss (0: off)
     # "histogram" ranks the errors by bins of relative width 2**-10 instead of a sort: the loss within
-    # 2**-10 of the exact one, 9x faster on an H200 (wm/lovasz.py, fused Triton kernels on CUDA)
+    # 2**-10 of the exact one, 8x faster on an H200 (wm/lovasz.py, fused Triton kernels on CUDA)
     lovasz_impl: str = "sort"  # how the Lovasz loss ranks errors: sort (exact, OccWorld's) | histogram
     vq_weight: float = 1.0  # weight of the vector-quantizer loss
     dead_code_steps: int = 100  # reset codes unused for this many training forwards; 0 = never
