@@ -443,11 +443,13 @@ def test_torch_calibration_matches_onnxruntime(run):
     for g in wanted:
         ha, hb = a[g].histograms(), b[g].histograms()
         assert set(ha) == set(hb) == {t for t in wanted[g] if t not in a[g].zero_tensors()} and ha, g
-        for t in ha:
+        for i, t in enumerate(sorted(ha)):
             assert a[g].amax(t) == pytest.approx(b[g].amax(t), rel=1e-4), (g, t)
             ca, cb = ha[t][0], hb[t][0]  # two passes: 2048 bins over [0, max] of the whole set
             assert len(ca) == len(cb) == 2048 and ha[t][1][-1] == pytest.approx(a[g].amax(t))
             assert ca.sum() == cb.sum() and np.abs(ca - cb).sum() <= 0.01 * ca.sum() + 4, (g, t)
+            if i % 4:  # the thresholds of every 4th tensor: each search takes ~0.3 s on 2 cores, and
+                continue  # the histograms they follow from were compared bin by bin above
             # the entropy search over a few windows' histograms may move by a bin or two where a
             # float rounding moved a count across an edge: same threshold within 5 %, most (80 %) within 1 %
             ra, rb = entropy_threshold(*ha[t]), entropy_threshold(*hb[t])
