@@ -12,7 +12,7 @@ Two ways to rank, chosen by tokenizer.lovasz_impl:
   against it). One torch.sort of all the errors of a chunk of classes, a gather and a scatter back:
   at the occworld size that is 18 x 20 M keys with their int64 indices per step of 32 frames,
   about a third of a tokenizer step on an H100 (BENCHMARKS.md).
-- "histogram" (`lovasz_softmax_histogram`): no sort. The errors fall into bins by their float32 bits
+- "histogram" (`lovasz_softmax(impl="histogram")`): no sort. The errors fall into bins by their float32 bits
   (exponent and the top HIST_BITS mantissa bits: every bin spans errors within a factor 1 + 2**-10
   of each other), a bincount gives each bin's foreground and background counts, and the ranks between
   bins follow from their cumulative sums. Inside a bin the order is left open: every point gets the
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["lovasz_softmax", "lovasz_softmax_histogram", "IMPLS", "HIST_BITS"]
+__all__ = ["lovasz_softmax", "IMPLS", "HIST_BITS"]
 
 CHUNK_ELEMENTS = 1 << 27  # class-chunk size bound of the temporaries (~33 B per element for "sort")
 HIST_BITS = 10  # mantissa bits of an error that pick its histogram bin (bin width 2**-10 relative)
@@ -137,6 +137,21 @@ def _bin_gradients(hist: Tensor, gts: Tensor) -> Tensor:
     return torch.stack([g_bg, g_fg], -1)
 
 
+def bin_layout(bits: int) -> tuple[int, int]:
+    """(shift, bins): an error e in [0, 1] falls in bin float32_bits(e) >> shift, one of `bins`
+    (exponent and the top `bits` mantissa bits; ascending in e)."""
+    shift = 23 - bits
+    return shift, (0x3F800000 >> shift) + 1  # float32 1.0's bits, shifted
+
+
+def gradient_table(hist: Tensor, counts: Tensor, weight: Tensor, dtype) -> Tensor:
+    """hist (c, bins, 2) background / foreground counts per bin in ASCENDING error order, counts (c,)
+    foreground per class, weight (c,) the classes' weights in the mean -> (c, bins, 2) in `dtype`: the
+    weighted gradient of a point of each (class, bin, background/foreground)."""
+    table = _bin_gradients(hist.flip(1), counts).flip(1)  # ranked from the largest error
+    return table.mul_(weight[:, None, None].to(torch.float64)).to(dtype)
+
+
 def _histogram_terms(probs: Tensor, labels: Tensor, present_only: bool) -> tuple[Tensor, Tensor]:
     """Loss and gradient w.r.t. `probs` with the errors ranked by histogram bins (module docstring).
     On CUDA (float32, Triton present, FUSED): the same in two fused kernels (wm.lovasz_cuda)."""
@@ -150,8 +165,7 @@ def _histogram_terms(probs: Tensor, labels: Tensor, present_only: bool) -> tuple
     num_points, num_classes = probs.shape
     dtype, dev = probs.dtype, probs.device
     counts, weight = _present_weights(labels, num_classes, present_only, dtype)
-    shift = 23 - HIST_BITS
-    bins = (0x3F800000 >> shift) + 1  # float32 1.0's bits, shifted: errors lie in [0, 1]
+    shift, bins = bin_layout(HIST_BITS)
     grad = torch.empty(num_classes, num_points, device=dev, dtype=dtype)
     loss = probs.new_zeros(())
     for c0, c1 in _chunks(num_points, num_classes):
@@ -165,9 +179,7 @@ def _histogram_terms(probs: Tensor, labels: Tensor, present_only: bool) -> tuple
         key = (torch.arange(n, device=dev, dtype=torch.int64)[:, None] * bins + b) * 2 + fg
         del b
         hist = torch.bincount(key.view(-1), minlength=n * bins * 2).view(n, bins, 2)
-        table = _bin_gradients(hist.flip(1), counts[c0:c1]).flip(1)  # back to ascending bins
-        table.mul_(weight[c0:c1, None, None].to(torch.float64))
-        g = table.to(dtype).view(-1)[key]  # each point's gradient, (c, P)
+        g = gradient_table(hist, counts[c0:c1], weight[c0:c1], dtype).view(-1)[key]  # each point's, (c, P)
         del key
         loss = loss + (err * g).sum()
         del err
@@ -194,14 +206,9 @@ def lovasz_softmax(probs: Tensor, labels: Tensor, present_only: bool = True, imp
     """Multi-class Lovasz-softmax loss, vectorised over classes. probs: (P, C) class probabilities;
     labels: (P,) long. The mean over the classes present in `labels` (or over all classes).
     impl "sort": the exact loss (Berman et al.'s per-class loop, same value and gradient);
-    "histogram": ranked by error bins, see lovasz_softmax_histogram."""
+    "histogram": ranked by error bins without a sort, within 2**-HIST_BITS of the exact loss (module
+    docstring)."""
     if impl not in IMPLS:
         raise ValueError(f"lovasz_softmax: impl must be one of {IMPLS}, got {impl!r}")
     return _Lovasz.apply(probs, labels.long(), present_only, impl)
 
-
-def lovasz_softmax_histogram(probs: Tensor, labels: Tensor, present_only: bool = True) -> Tensor:
-    """lovasz_softmax without a sort: the errors ranked by histogram bins of relative width 2**-10,
-    each point's gradient averaged over the orders inside its bin (module docstring). The loss lies
-    within 2**-HIST_BITS of the exact one, relative."""
-    return lovasz_softmax(probs, labels, present_only, impl="histogram")

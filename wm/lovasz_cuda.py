@@ -7,7 +7,7 @@ class probabilities once, keeps everything else in registers, and
 
 1. `_histogram_kernel` adds each (class, error bin, foreground?) to a (C, bins, 2) int32 histogram
    with atomic adds;
-2. (torch, on the small histogram) wm.lovasz._bin_gradients turns it into each bin's gradients;
+2. (torch, on the small histogram) wm.lovasz.gradient_table turns it into each bin's gradients;
 3. `_gradient_kernel` looks every point's gradient up in that table, writes d loss / d probs (P, C)
    and one partial loss sum per tile.
 
@@ -66,13 +66,12 @@ def _gradient_kernel(probs_ptr, labels_ptr, table_ptr, grad_ptr, partial_ptr, P,
 def histogram_terms(probs: Tensor, labels: Tensor, present_only: bool, bits: int) -> tuple[Tensor, Tensor]:
     """wm.lovasz._histogram_terms on CUDA: probs (P, C) float32, labels (P,) integer ->
     (loss, d loss / d probs (P, C))."""
-    from wm.lovasz import _bin_gradients, class_weights
+    from wm.lovasz import bin_layout, class_weights, gradient_table
 
     probs = probs.contiguous()
     labels = labels.contiguous()
     num_points, num_classes = probs.shape
-    shift = 23 - bits
-    bins = (0x3F800000 >> shift) + 1
+    shift, bins = bin_layout(bits)
     cp = triton.next_power_of_2(num_classes)
     grid = (triton.cdiv(num_points, BLOCK_POINTS),)
     hist = torch.zeros(num_classes * bins * 2, device=probs.device, dtype=torch.int32)
@@ -81,8 +80,7 @@ def histogram_terms(probs: Tensor, labels: Tensor, present_only: bool, bits: int
     # the foreground counts are the histogram's (no other pass over the labels)
     counts = hist[..., 1].sum(1)
     weight = class_weights(counts, present_only, probs.dtype)
-    table = _bin_gradients(hist.flip(1), counts).flip(1).mul_(weight[:, None, None].to(torch.float64))
-    table = table.to(torch.float32).contiguous()
+    table = gradient_table(hist, counts, weight, torch.float32).contiguous()
     grad = torch.empty_like(probs)
     partial = torch.empty(grid[0], device=probs.device, dtype=torch.float32)
     _gradient_kernel[grid](probs, labels, table, grad, partial, num_points, num_classes, cp, bins, shift,
