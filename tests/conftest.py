@@ -245,3 +245,12 @@ def count_checkpoints(monkeypatch, module) -> list:
 
     monkeypatch.setattr(module, "checkpoint", counting_checkpoint)
     return calls
+
+
+def run_in_triton_interpreter(script: str) -> None:
+    """Run `script` (Python source that prints OK when its checks pass) in a subprocess with
+    TRITON_INTERPRET=1: Triton kernels then run on CPU tensors, so a machine without a GPU tests
+    them. The variable must be set before triton is imported, hence the subprocess."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

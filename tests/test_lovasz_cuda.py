@@ -3,13 +3,11 @@
 the kernels run compiled; with Triton but no GPU they run in Triton's interpreter (a subprocess with
 TRITON_INTERPRET=1); without Triton (a CPU build of torch, as CI) there is nothing to test."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_in_triton_interpreter
 
 triton = pytest.importorskip("triton")
 
@@ -46,10 +44,7 @@ def test_kernels_match_the_reference_on_cuda():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the compiled kernels are tested")
 def test_kernels_match_the_reference_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", _script("cpu")], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    run_in_triton_interpreter(_script("cpu"))
 
 
 def test_autograd_uses_the_kernels_on_cuda_only(monkeypatch):

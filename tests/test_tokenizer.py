@@ -336,3 +336,59 @@ def test_class_weighted_ce_by_hand_and_power_0_is_plain_ce():
         with pytest.raises(ConfigError) as e:
             TokenizerConfig(**bad).validate()
         assert e.value.key == next(iter(bad))
+
+
+def test_class_embedding_keeps_labels_only_and_has_the_lookups_gradient():
+    """The training path's class embedding (_ClassEmbed): the rows of F.embedding, the same weight
+    gradient (a one-hot matmul instead of the sort-based embedding backward), and it saves only the
+    uint8 labels for backward (no (P, C) one-hot matrix kept from the forward pass)."""
+    import wm.tokenizer as tk
+
+    torch.manual_seed(0)
+    occ = torch.randint(0, 6, (2, 8, 8, 3), dtype=torch.uint8)
+    w = torch.randn(6, 4, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        h = tk._ClassEmbed.apply(occ, w, torch.float32)
+    assert [(t.dtype, tuple(t.shape)) for t in saved] == [(torch.uint8, (2, 8, 8, 3))]
+    dh = torch.randn_like(h)
+    (dw,) = torch.autograd.grad(h, w, dh)
+    ref = torch.nn.functional.embedding(occ.long(), w)
+    assert torch.equal(h, ref)
+    (want,) = torch.autograd.grad(ref, w, dh)
+    assert torch.allclose(dw, want, rtol=1e-5, atol=1e-6)
+    # by hand: class 2's row gets the sum of dh over the voxels labelled 2
+    assert torch.allclose(dw[2], dh[occ == 2].sum(0), rtol=1e-5, atol=1e-6)
+
+
+def test_channels_last_is_the_same_function():
+    """tokenizer.channels_last: conv weights and activations NHWC in memory, the same outputs and
+    gradients (to float rounding), and the layout survives .to() and load_state_dict."""
+    torch.manual_seed(0)
+    a = Tokenizer(tiny_cfg(), 6, (16, 16, 2))
+    b = Tokenizer(tiny_cfg(channels_last=True), 6, (16, 16, 2))
+    b.load_state_dict(a.state_dict())
+    b = b.to(torch.float32)
+    assert b.enc_in.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not a.enc_in.weight.is_contiguous(memory_format=torch.channels_last)
+    occ = synthetic_frames(2, 16, 16, 2)
+    oa, ob = a(occ), b(occ)
+    oa["loss"].backward()
+    ob["loss"].backward()
+    assert torch.equal(oa["codes"], ob["codes"])
+    assert torch.allclose(oa["loss"], ob["loss"], rtol=1e-5)
+    assert torch.allclose(oa["logits"], ob["logits"], rtol=1e-4, atol=1e-5)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        scale = pa.grad.abs().max().clamp_min(1e-6)
+        assert float((pa.grad - pb.grad).abs().max() / scale) < 1e-4, name
+
+
+def test_forward_without_logits():
+    """forward(logits=False), what training calls: the same losses, no logits in the output."""
+    torch.manual_seed(0)
+    m = Tokenizer(tiny_cfg(), 6, (16, 16, 2))
+    occ = synthetic_frames(2, 16, 16, 2)
+    full, lean = m(occ), m(occ, logits=False)
+    assert "logits" in full and "logits" not in lean
+    for k in ("loss", "ce", "lovasz", "vq"):
+        assert torch.equal(full[k], lean[k]), k

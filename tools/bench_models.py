@@ -114,7 +114,7 @@ def main(argv=None) -> int:
                 if name == "tokenizer":
                     def fn():
                         with ctx():
-                            return m(occ)["loss"]
+                            return m(occ, logits=False)["loss"]
                 else:
                     def fn():
                         with ctx():

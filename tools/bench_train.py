@@ -627,6 +627,8 @@ def parse_args(argv=None):
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the variants: N steps of the best bf16 batch under torch.profiler per "
                          "stage; prints the top kernels and the GPU time split by kind (into the JSON too)")
+    ap.add_argument("--profile-compile", action="store_true",
+                    help="profile the bf16 + torch.compile step instead of the eager bf16 one")
     ap.add_argument("--scaling", nargs=2, metavar=("A.json", "B.json"),
                     help="no benchmark: print B's samples/s over A's per variant (e.g. 2 GPUs over 1)")
     a = ap.parse_args(argv)
@@ -731,7 +733,9 @@ def main(argv=None) -> int:
                     report(bench.attempt(stage, v, bench.variant_cfg(stage, "bf16", best_batch)))
 
             if a.profile:
-                p = bench.profile(stage, bench.variant_cfg(stage, "bf16" if cuda else "fp32", best_batch), a.profile)
+                pcfg = bench.variant_cfg(stage, "bf16" if cuda else "fp32", best_batch, compile_=a.profile_compile)
+                p = bench.profile(stage, pcfg, a.profile)
+                p["compile"] = a.profile_compile
                 profiles[stage] = p
                 if d.is_main:
                     print(f"\nprofile, {stage} stage, batch {p['batch']}: {p['wall_ms_per_step']:.1f} ms/step wall"

@@ -37,11 +37,20 @@ def _tile(probs_ptr, labels_ptr, pid, P, C: tl.constexpr, CP: tl.constexpr, BINS
     p = tl.load(probs_ptr + offs, mask=m, other=0.0)
     lab = tl.load(labels_ptr + rows, mask=rmask, other=-1)
     fg = lab[:, None] == cols[None, :]
+    diff, err, key = error_keys(p, fg, cols, BINS, SHIFT)
+    return offs, m, diff, err, key
+
+
+@triton.jit
+def error_keys(p, fg, cols, BINS: tl.constexpr, SHIFT: tl.constexpr):
+    """(points, classes) probabilities and foreground flags -> fg - p, its absolute value (the Lovasz
+    error) and each error's histogram slot (class, bin, foreground?) in a (C, BINS, 2) table.
+    Shared with wm.tokenizer_head_cuda."""
     diff = tl.where(fg, 1.0, 0.0) - p
     err = tl.abs(diff)
     b = tl.minimum(err.to(tl.int32, bitcast=True) >> SHIFT, BINS - 1)  # NaN lands in the top bin
     key = (cols[None, :] * BINS + b) * 2 + fg.to(tl.int32)
-    return offs, m, diff, err, key
+    return diff, err, key
 
 
 @triton.jit

@@ -69,6 +69,12 @@ class TokenizerConfig:
     # "histogram" ranks the errors by bins of relative width 2**-10 instead of a sort: the loss within
     # 2**-10 of the exact one, 8x faster on an H200 (wm/lovasz.py, fused Triton kernels on CUDA)
     lovasz_impl: str = "sort"  # how the Lovasz loss ranks errors: sort (exact, OccWorld's) | histogram
+    # on CUDA with Triton, for the histogram Lovasz (or none): the class-embedding head, cross-entropy
+    # and Lovasz in two fused kernels that never hold the (N, C, X, Y, Z) logits (wm/tokenizer_head_cuda.py)
+    fused_head: bool = True  # fuse head + losses on CUDA (histogram Lovasz only); false: the torch path
+    # channels-last (NHWC) activations and conv weights: what cuDNN's bf16 convolutions run on, so no
+    # NCHW <-> NHWC copies around each conv (BENCHMARKS.md, issue 15); the same function either way
+    channels_last: bool = False  # keep activations and conv weights channels-last (NHWC) in memory
     vq_weight: float = 1.0  # weight of the vector-quantizer loss
     dead_code_steps: int = 100  # reset codes unused for this many training forwards; 0 = never
     checkpoint_every: int = 0  # activation checkpointing: 0 off, 1 every block, k every k-th block
@@ -374,6 +380,27 @@ def masked_cross_entropy(logits: Tensor, target: Tensor, mask: Tensor, weight: T
     return torch.where(keep, per, 0.0).sum() / keep.sum().clamp_min(1)
 
 
+class _ClassEmbed(torch.autograd.Function):
+    """The class embedding's rows for every voxel, w[occ] in `dtype`, keeping only the uint8 labels
+    for the backward pass. An embedding backward sorts all N*X*Y*Z indices (20 M per 32 frames at
+    200x200x16: 20 ms on an H200); here the weight's gradient is one (C, P) x (P, E) one-hot matmul
+    (7.3 ms), and the one-hot matrix (P x C, 0.7 GiB in bf16 at that size) is built in the backward
+    pass instead of being kept from the forward pass as a matmul input would be."""
+
+    @staticmethod
+    def forward(ctx, occ: Tensor, w: Tensor, dtype: torch.dtype) -> Tensor:
+        ctx.save_for_backward(occ)
+        ctx.classes, ctx.wdtype = w.shape[0], w.dtype
+        return F.embedding(occ.long(), w.to(dtype))
+
+    @staticmethod
+    def backward(ctx, dh: Tensor):
+        (occ,) = ctx.saved_tensors
+        onehot = occ.reshape(-1, 1) == torch.arange(ctx.classes, device=occ.device)  # (P, C) bool
+        dw = onehot.to(dh.dtype).t() @ dh.reshape(onehot.shape[0], -1)
+        return None, dw.to(ctx.wdtype), None
+
+
 # ------------------------------------------------------------------------------------------ model
 
 
@@ -448,6 +475,8 @@ class Tokenizer(nn.Module):
         self.dec_out = nn.Conv2d(w0, cin, 3, 1, 1)
         # per-class CE weights (set_class_frequencies); not saved: they follow from the data and config
         self.register_buffer("class_weights", torch.ones(num_classes), persistent=False)
+        if cfg.channels_last:  # conv weights NHWC; .to(device) and load_state_dict keep it
+            self.to(memory_format=torch.channels_last)
 
     # -- helpers
     @property
@@ -474,35 +503,48 @@ class Tokenizer(nn.Module):
     def _encode_z(self, occ: Tensor) -> Tensor:
         """occ (N, X, Y, Z) -> continuous z (N, code_dim, X/d, Y/d)."""
         n, x, y, zz = occ.shape
-        idx = occ.long().permute(0, 3, 1, 2)  # (N, Z, X, Y)
         w = self.class_embed.weight
         if torch.is_grad_enabled() and w.requires_grad:
-            # the same rows as the lookup, but the weight's gradient is then one (C, N*X*Y*Z) x (.., E)
-            # matmul instead of an embedding backward, which sorts all N*X*Y*Z indices (20 M per
-            # 32 frames at 200x200x16): 7.3 ms instead of 20 ms on an H200
-            dev = idx.device.type
+            dev = occ.device.type
             auto = dev in ("cuda", "cpu", "xpu") and torch.is_autocast_enabled(dev)
-            dt = torch.get_autocast_dtype(dev) if auto else w.dtype
-            onehot = idx[..., None] == torch.arange(self.num_classes, device=idx.device)  # bool, 1 B each
-            h = onehot.to(dt) @ w.to(dt)  # (N, Z, X, Y, E)
+            h = _ClassEmbed.apply(occ, w, torch.get_autocast_dtype(dev) if auto else w.dtype)  # (N, X, Y, Z, E)
+            h = h.reshape(n, x, y, zz * self.cfg.embed_dim).permute(0, 3, 1, 2)  # channels-last memory
         else:
-            h = self.class_embed(idx)  # (N, Z, X, Y, E): a Gather in exported graphs
-        h = h.permute(0, 1, 4, 2, 3).reshape(n, zz * self.cfg.embed_dim, x, y)  # channel = z*E + e
+            # the layout exported graphs have always had (Gather on the (N, Z, X, Y) labels): the INT8
+            # emulation's agreement with onnxruntime is tested on it (tests/test_int8.py)
+            h = self.class_embed(occ.long().permute(0, 3, 1, 2))  # (N, Z, X, Y, E)
+            h = h.permute(0, 1, 4, 2, 3).reshape(n, zz * self.cfg.embed_dim, x, y)
+        # (N, Z*E, X, Y), channel z*E + e
+        h = h.contiguous(memory_format=torch.channels_last if self.cfg.channels_last else torch.contiguous_format)
         h = self.enc_in(h)
         h, _ = _run_blocks(self.encoder, h, self.cfg.checkpoint_every, self._ckpt_active(),
                            policy=self.cfg.checkpoint_policy)
         return self.enc_out(F.silu(self.enc_norm(h)))
 
-    def _decode_zq(self, zq: Tensor) -> Tensor:
-        """zq (N, code_dim, h, w) -> logits (N, C, X, Y, Z)."""
+    def _decode_h(self, zq: Tensor) -> Tensor:
+        """zq (N, code_dim, h, w) -> the decoder's output (N, Z*E, X, Y), channel z*E + e."""
         h = self.dec_in(zq)
         start = self._n_enc_blocks()
         h, _ = _run_blocks(self.decoder, h, self.cfg.checkpoint_every, self._ckpt_active(), start,
                            self.cfg.checkpoint_policy)
-        h = self.dec_out(F.silu(self.dec_norm(h)))  # (N, Z*E, X, Y)
+        return self.dec_out(F.silu(self.dec_norm(h)))
+
+    def _head(self, h: Tensor) -> Tensor:
+        """Decoder output (N, Z*E, X, Y) -> logits (N, C, X, Y, Z): the transposed class embedding."""
         n, _, x, y = h.shape
         h = h.reshape(n, self.grid[2], self.cfg.embed_dim, x, y)
-        return torch.einsum("nzexy,ce->ncxyz", h, self.class_embed.weight)  # transposed class embedding
+        return torch.einsum("nzexy,ce->ncxyz", h, self.class_embed.weight)
+
+    def _fused(self, h: Tensor) -> bool:
+        """Whether forward scores `h` with wm.tokenizer_head_cuda (see TokenizerConfig.fused_head)."""
+        cfg = self.cfg
+        if not (cfg.fused_head and h.is_cuda and (cfg.lovasz_impl == "histogram" or cfg.lovasz_weight == 0)):
+            return False
+        try:
+            import wm.tokenizer_head_cuda  # noqa: F401  (needs Triton, which CUDA builds of torch ship)
+        except ImportError:
+            return False
+        return True
 
     def set_class_frequencies(self, counts) -> Tensor:
         """Set the CE class weights from per-class voxel counts of the training data (see
@@ -534,14 +576,15 @@ class Tokenizer(nn.Module):
         """codes (..., X/d, Y/d) integer -> logits (..., C, X, Y, Z)."""
         lead = codes.shape[:-2]
         c = codes.long().reshape(-1, *codes.shape[-2:])
-        logits = self._decode_zq(self.quantizer.lookup(c))
+        logits = self._head(self._decode_h(self.quantizer.lookup(c)))
         return logits.reshape(*lead, *logits.shape[1:])
 
-    def forward(self, occ: Tensor, mask: Tensor | None = None) -> dict[str, Tensor]:
+    def forward(self, occ: Tensor, mask: Tensor | None = None, logits: bool = True) -> dict[str, Tensor]:
         """Reconstruct `occ` (..., X, Y, Z) and score it (on the voxels where `mask`, shaped like
         occ, is nonzero, when given; see `loss`). Returns:
 
-        - logits      (..., C, X, Y, Z) float
+        - logits      (..., C, X, Y, Z) float; only with `logits` (training needs none: on CUDA the
+                      fused head then never materialises them)
         - codes       (..., X/d, Y/d) long
         - loss        scalar, ce_weight*ce + lovasz_weight*lovasz + vq_weight*vq (what to backward)
         - ce, lovasz, vq   the unweighted loss terms (scalars, with grad)
@@ -554,12 +597,20 @@ class Tokenizer(nn.Module):
         flat = occ.reshape(-1, *self.grid)
         z = self._encode_z(flat)
         zq, codes, vq, stats = self.quantizer(z)
-        logits = self._decode_zq(zq)
-        out = self.loss(logits, flat, vq, mask=None if mask is None else mask.reshape(flat.shape))
+        h = self._decode_h(zq)
+        mask = None if mask is None else mask.reshape(flat.shape)
+        lg = None
+        if self._fused(h):
+            out = self._fused_loss(h, flat, vq, mask)
+        else:
+            lg = self._head(h)
+            out = self.loss(lg, flat, vq, mask=mask)
         out.update(stats)
         steps = self.quantizer.dead_code_steps
         out["dead_codes"] = (self.quantizer.code_age >= steps).sum().float() if steps > 0 else vq.new_zeros(())
-        out["logits"] = logits.reshape(*lead, *logits.shape[1:])
+        if logits:
+            lg = self._head(h) if lg is None else lg
+            out["logits"] = lg.reshape(*lead, *lg.shape[1:])
         out["codes"] = codes.reshape(*lead, *codes.shape[1:])
         return out
 
@@ -590,6 +641,24 @@ class Tokenizer(nn.Module):
             lov = lovasz_softmax(probs, labels, impl=cfg.lovasz_impl) if labels.numel() else probs.sum() * 0.0
         else:
             lov = ce.new_zeros(())
+        total = cfg.ce_weight * ce + cfg.lovasz_weight * lov + cfg.vq_weight * vq
+        return {"loss": total, "ce": ce, "lovasz": lov, "vq": vq}
+
+    def _fused_loss(self, h: Tensor, occ: Tensor, vq: Tensor, mask: Tensor | None) -> dict[str, Tensor]:
+        """`loss` from the decoder output h (N, Z*E, X, Y) through wm.tokenizer_head_cuda: the same
+        terms (tests/test_tokenizer_head_cuda.py), without the logits."""
+        from wm.lovasz import HIST_BITS
+        from wm.tokenizer_head_cuda import head_losses
+
+        cfg = self.cfg
+        labels = occ.to(torch.int16)
+        if mask is not None:  # a masked-out voxel counts in neither loss (label -1)
+            labels = torch.where(mask != 0, labels, -1)
+        weight = self.class_weights if cfg.class_weight_power > 0 else torch.ones_like(self.class_weights)
+        # (N, Z*E, X, Y) -> (N, X, Y, Z, E) -> (P, E): voxels in occ's order (a view if h is channels-last)
+        h = h.permute(0, 2, 3, 1).reshape(-1, cfg.embed_dim)
+        ce, lov = head_losses(h, self.class_embed.weight, labels.reshape(-1), weight, cfg.lovasz_weight > 0,
+                              True, HIST_BITS)
         total = cfg.ce_weight * ce + cfg.lovasz_weight * lov + cfg.vq_weight * vq
         return {"loss": total, "ce": ce, "lovasz": lov, "vq": vq}
 

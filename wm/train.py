@@ -404,7 +404,8 @@ class TokenizerStage:
 
     def loss(self, model: nn.Module, batch: dict) -> dict:
         # the mask is in the batch only with data.use_mask (stage_data)
-        return model(batch["occ"][:, 0], mask=batch["mask"][:, 0] if "mask" in batch else None)
+        # no logits: training reads only the losses (on CUDA the fused head then never writes them)
+        return model(batch["occ"][:, 0], mask=batch["mask"][:, 0] if "mask" in batch else None, logits=False)
 
     def samples(self, batch: dict) -> int:
         return batch["occ"].shape[0]

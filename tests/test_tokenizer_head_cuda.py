@@ -1,0 +1,65 @@
+"""wm.tokenizer_head_cuda (the tokenizer's head, cross-entropy and histogram Lovasz fused in two Triton
+kernels) against the torch path (Tokenizer._head, then Tokenizer.loss): the same loss terms and the same
+gradients to the decoder output and the class embedding, float32, with and without a mask, class
+weights and the Lovasz term. On CUDA with Triton the kernels run compiled; with Triton but no GPU in
+Triton's interpreter (a subprocess with TRITON_INTERPRET=1); without Triton there is nothing to test."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_in_triton_interpreter
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHECK = r"""
+import sys, torch
+sys.path[:0] = [{root!r}]
+from wm.tokenizer import Tokenizer, TokenizerConfig
+dev = {dev!r}
+grid, classes = (8, 16, 3), 6
+for weighted, masked, lovasz in ((False, False, 1.0), (True, False, 1.0), (False, True, 1.0), (True, True, 0.0)):
+    torch.manual_seed(int(weighted) + 2 * int(masked))
+    cfg = TokenizerConfig(widths=(8,), lovasz_impl="histogram", lovasz_weight=lovasz, ce_weight=3.0,
+                          class_weight_power=0.5 if weighted else 0.0)
+    tok = Tokenizer(cfg, classes, grid).to(dev)
+    if weighted:
+        tok.set_class_frequencies(torch.tensor([500.0, 120, 30, 0, 7, 1]))
+    occ = torch.randint(0, classes, (2, *grid), device=dev)
+    occ[occ == 3] = 0  # a class absent from the labels: not in the Lovasz mean
+    mask = (torch.rand(2, *grid, device=dev) > 0.3) if masked else None
+    h = (2 * torch.randn(2, grid[2] * cfg.embed_dim, grid[0], grid[1], device=dev)).requires_grad_()
+    vq = torch.zeros((), device=dev)
+    got, want = {{}}, {{}}
+    for out, terms in ((want, lambda: tok.loss(tok._head(h), occ, vq, mask=mask)),
+                       (got, lambda: tok._fused_loss(h, occ, vq, mask))):
+        h.grad = tok.class_embed.weight.grad = None
+        t = terms()
+        t["loss"].backward()
+        out.update(ce=t["ce"].item(), lovasz=t["lovasz"].item(), dh=h.grad.clone(),
+                   dw=tok.class_embed.weight.grad.clone())
+    case = (weighted, masked, lovasz)
+    for k in ("ce", "lovasz"):
+        assert abs(got[k] - want[k]) <= 1e-5 * abs(want[k]) + 1e-7, (case, k, got[k], want[k])
+    assert want["lovasz"] > 0 or lovasz == 0, case
+    for k in ("dh", "dw"):
+        err = float((got[k] - want[k]).abs().max() / want[k].abs().max())
+        assert err < 1e-5, (case, k, err)
+print("OK")
+"""
+
+
+def _script(dev: str) -> str:
+    return CHECK.format(root=str(ROOT), dev=dev)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_head_matches_the_torch_path_on_cuda():
+    exec(_script("cuda"), {})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the compiled kernels are tested")
+def test_fused_head_matches_the_torch_path_in_the_interpreter():
+    run_in_triton_interpreter(_script("cpu"))
