@@ -368,7 +368,7 @@ def test_channels_last_is_the_same_function():
     a = Tokenizer(tiny_cfg(), 6, (16, 16, 2))
     b = Tokenizer(tiny_cfg(channels_last=True), 6, (16, 16, 2))
     b.load_state_dict(a.state_dict())
-    b = b.to(torch.float32)
+    b = b.to(torch.float64).to(torch.float32)  # new parameter tensors: .to() must keep NHWC
     assert b.enc_in.weight.is_contiguous(memory_format=torch.channels_last)
     assert not a.enc_in.weight.is_contiguous(memory_format=torch.channels_last)
     occ = synthetic_frames(2, 16, 16, 2)
