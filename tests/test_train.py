@@ -415,6 +415,20 @@ def test_changed_config_refuses_unless_fresh_which_moves_the_old_run_aside(tiny,
     assert load(latest_checkpoint(ckpt_dir(rd)))["config"]["tokenizer_stage"]["lr"] == 5e-3
 
 
+def test_resume_may_switch_kernels_and_layouts_which_compute_the_same_function(tiny):
+    # tokenizer.fused_head / channels_last (and world.fused_attention, by the same table; the world section
+    # is free here anyway, its stage has saved nothing): other kernels or layouts for the same model
+    T._STOP["flag"] = True  # as if SIGTERM came at once: stops after step 1, saved
+    assert T.main(tiny.args(tokenizer_stage__max_steps=3)) == 0
+    T._STOP.update(flag=False, count=0)
+    assert load(latest_checkpoint(ckpt_dir(tiny.run_dir())))["step"] == 1
+    with pytest.raises(WMError, match="tokenizer.embed_dim"):  # a key that changes the model refuses
+        T.main(tiny.args(tokenizer_stage__max_steps=3, tokenizer__embed_dim=4))
+    assert T.main(tiny.args(tokenizer_stage__max_steps=3, tokenizer__fused_head=False, tokenizer__channels_last=True,
+                            world__fused_attention=False)) == 0
+    assert load(latest_checkpoint(ckpt_dir(tiny.run_dir())))["step"] == 3
+
+
 def test_fresh_twice_in_one_second_keeps_both_old_runs(tiny):
     args = tiny.args(tokenizer_stage__max_steps=1)
     assert T.main(args) == 0

@@ -235,7 +235,9 @@ def check_policy(policy: str) -> None:
 
 
 def _keep_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _EXPENSIVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    # wm's own Triton ops (namespace "wm", e.g. the world model's fused temporal attention) count as expensive
+    expensive = op in _EXPENSIVE_OPS or getattr(op, "namespace", "") == "wm"
+    return CheckpointPolicy.MUST_SAVE if expensive else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_contexts():

@@ -311,6 +311,9 @@ RESUME_MAY_CHANGE = {
     "train": ("stages", "log_every", "ckpt_every", "keep_last", "async_ckpt", "timeout_s", "tensorboard", "images",
               "peak_tflops", "max_nonfinite", "compile", "compile_mode"),
     "synthetic": ("cache_dir",),
+    # the same functions by other kernels or layouts (float rounding apart): a run may switch them on resume
+    "tokenizer": ("fused_head", "channels_last"),
+    "world": ("fused_attention",),
 }
 
 

@@ -35,7 +35,23 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from wm.errors import ConfigError
+
+try:  # Triton ships with CUDA builds of torch; without it the temporal attention takes the torch path
+    from wm import temporal_attention_cuda
+except ImportError:
+    temporal_attention_cuda = None
 from wm.tokenizer import ResBlock, check_policy, checkpointed, count_parameters, masked_cross_entropy, norm
+
+# ONNX export must not meet the Triton op. (Not torch.compiler.is_exporting: torch 2.11's Dynamo answers
+# True to it inside torch.compile too, which kept the kernel out of every compiled step.)
+_exporting = torch.onnx.is_in_onnx_export
+
+
+def _kernel_device(x: Tensor) -> bool:
+    """Whether the fused temporal attention's Triton kernels can take x: CUDA tensors (the tests run them
+    on CPU tensors in Triton's interpreter by replacing this)."""
+    return x.is_cuda
+
 
 __all__ = ["WorldConfig", "WorldModel", "count_parameters", "motion_features", "compose_motion"]
 
@@ -61,6 +77,8 @@ class WorldConfig:
     # full: a checkpointed block keeps only its inputs; selective: also its matmul, convolution and
     # attention outputs, recomputing norms, activations, adds and layout copies (wm.tokenizer.checkpointed)
     checkpoint_policy: str = "full"  # what a checkpointed block keeps: full | selective
+    # reads q, k, v straight from the projection, no permutes (wm.temporal_attention_cuda)
+    fused_attention: bool = True  # on CUDA, temporal attention in one Triton kernel each way; false: batched matmuls
 
     @classmethod
     def occworld(cls) -> "WorldConfig":
@@ -164,9 +182,11 @@ def short_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     for T = 11 and head dims 16-64 the fused kernels (flash, cuDNN, mem-efficient), tiled for long
     sequences, waste most of each tile: measured on an H200, forward + backward at the occworld
     size (40 000 cells x 8 heads x 11 frames x 16): cuDNN (SDPA's pick) 14.6 ms, flash 23.9,
-    mem-efficient 11.4, SDPA's math path 7.5, this 6.6. Long sequences (the tokenizer's and the
-    pose layer's spatial attention) keep SDPA. q may hold fewer frames than k, v: then they are the
-    last ones (a rollout step with the earlier frames' keys and values cached)."""
+    mem-efficient 11.4, SDPA's math path 7.5, this 6.6. On CUDA, TemporalLayer takes the Triton
+    kernels of wm.temporal_attention_cuda instead (world.fused_attention; 0.7 ms at that size on an
+    H100). Long sequences (the tokenizer's and the pose layer's spatial attention) keep SDPA. q may hold
+    fewer frames than k, v: then they are the last ones (a rollout step with the earlier frames' keys
+    and values cached)."""
     tq, tk = q.shape[-2], k.shape[-2]  # tq < tk: the queries are the last tq of tk frames (cached rollout)
     a = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
     mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).triu(tk - tq + 1)
@@ -189,14 +209,25 @@ def _cached(cache: dict | None, layer: nn.Module, k: Tensor, v: Tensor) -> tuple
 class TemporalLayer(nn.Module):
     """Pre-norm causal self-attention over time per spatial cell + FFN. x: (N, T, C), N = B*h*w."""
 
-    def __init__(self, c: int, heads: int, ffn_mult: int):
+    def __init__(self, c: int, heads: int, ffn_mult: int, fused: bool = False):
         super().__init__()
-        self.heads = heads
+        self.heads, self.fused = heads, fused
         self.norm1, self.qkv, self.proj = nn.LayerNorm(c), nn.Linear(c, 3 * c), nn.Linear(c, c)
         self.norm2, self.ffn = nn.LayerNorm(c), _ffn(c, ffn_mult)
 
+    def _use_kernel(self, x: Tensor, cache: dict | None) -> bool:
+        """The Triton kernel (WorldConfig.fused_attention) on CUDA, for a whole window (no rollout cache:
+        the kernel's queries and keys are the same frames); never while exporting (ONNX has no such op)."""
+        n, t, c = x.shape
+        return (self.fused and cache is None and _kernel_device(x) and temporal_attention_cuda is not None
+                and temporal_attention_cuda.supports(t, c, self.heads) and not _exporting())
+
     def forward(self, x: Tensor, cache: dict | None = None) -> Tensor:
         n, t, c = x.shape
+        if self._use_kernel(x, cache):
+            o = temporal_attention_cuda.causal_time_attention(self.qkv(self.norm1(x)), self.heads)
+            x = x + self.proj(o)
+            return x + self.ffn(self.norm2(x))
         q, k, v = self.qkv(self.norm1(x)).reshape(n, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
         k, v = _cached(cache, self, k, v)
         o = short_causal_attention(q, k, v)
@@ -245,7 +276,8 @@ class _Level(nn.Module):
     def __init__(self, c: int, cfg: WorldConfig):
         super().__init__()
         self.cond = nn.Sequential(nn.LayerNorm(c), nn.Linear(c, c))
-        self.temporal = nn.ModuleList(TemporalLayer(c, cfg.heads, cfg.ffn_mult) for _ in range(cfg.temporal_layers))
+        self.temporal = nn.ModuleList(TemporalLayer(c, cfg.heads, cfg.ffn_mult, cfg.fused_attention)
+                                      for _ in range(cfg.temporal_layers))
         self.pose = nn.ModuleList(PoseLayer(c, cfg.heads, cfg.ffn_mult) for _ in range(cfg.pose_layers))
 
 

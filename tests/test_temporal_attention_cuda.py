@@ -1,0 +1,111 @@
+"""wm.temporal_attention_cuda (the world model's causal attention over time, one Triton kernel each way)
+against the torch path (wm.world.short_causal_attention on the permuted q, k, v): the same outputs and
+the same gradient of the q/k/v projection, float32, for head dims 16 and 32, 1 to 16 frames and cell counts
+that do not fill the last program; the whole TemporalLayer with and without it; torch.library's opcheck
+of the custom ops (fake tensors, autograd registration); selective checkpointing keeping its output.
+On CUDA with Triton the kernels run compiled; with Triton but no GPU in Triton's interpreter (a
+subprocess with TRITON_INTERPRET=1); without Triton there is nothing to test."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_in_triton_interpreter
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHECK = r"""
+import sys, torch
+sys.path[:0] = [{root!r}]
+from wm import world
+from wm.temporal_attention_cuda import causal_time_attention, _attention
+from wm.tokenizer import _keep_expensive
+from torch.utils.checkpoint import CheckpointPolicy
+dev = {dev!r}
+torch.manual_seed(0)
+for n, t, heads, d in ((5, 11, 2, 16), (3, 1, 1, 16), (7, 16, 2, 32), (33, 5, 1, 16)):
+    c = heads * d
+    qkv = (2 * torch.randn(n, t, 3 * c, device=dev)).requires_grad_()
+    do = torch.randn(n, t, c, device=dev)
+    o = causal_time_attention(qkv, heads)
+    (o * do).sum().backward()
+    g, qkv.grad = qkv.grad, None
+    q, k, v = qkv.reshape(n, t, 3, heads, d).permute(2, 0, 3, 1, 4)
+    ref = world.short_causal_attention(q, k, v).transpose(1, 2).reshape(n, t, c)
+    (ref * do).sum().backward()
+    case = (n, t, heads, d)
+    assert float((o - ref).detach().abs().max()) < 1e-5 * float(ref.detach().abs().max()), case
+    assert float((g - qkv.grad).abs().max()) < 1e-5 * float(qkv.grad.abs().max()), case
+    assert float(qkv.grad.abs().max()) > 0, case
+
+# the whole temporal layer, kernel vs torch path (the same weights), and that fused=True took the kernel
+if dev == "cpu":  # the interpreter runs the kernels on CPU tensors: let the layer hand them over
+    world._kernel_device = lambda x: True
+calls = []
+kernel = world.temporal_attention_cuda.causal_time_attention
+world.temporal_attention_cuda.causal_time_attention = lambda qkv, heads: calls.append(heads) or kernel(qkv, heads)
+layer = world.TemporalLayer(32, 2, 2, fused=True).to(dev)
+x = torch.randn(6, 11, 32, device=dev, requires_grad=True)
+outs = []
+for fused in (True, False):
+    layer.fused = fused
+    y = layer(x)
+    (y.square().sum()).backward()
+    outs.append((y.detach(), x.grad.clone(), layer.qkv.weight.grad.clone()))
+    x.grad = None
+    layer.zero_grad()
+assert calls == [2], calls
+for a, b in zip(*outs):
+    assert float((a - b).abs().max()) < 1e-5 * float(b.abs().max()), float((a - b).abs().max())
+world.temporal_attention_cuda.causal_time_attention = kernel
+
+# selective checkpointing keeps the kernel's output (recomputing it would cost a kernel launch each way)
+assert _keep_expensive(None, torch.ops.wm.causal_time_attention.default) == CheckpointPolicy.MUST_SAVE
+
+torch.library.opcheck(_attention, (torch.randn(3, 4, 96, device=dev, requires_grad=True), 2),
+                      test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+print("OK")
+"""
+
+
+COMPILED = r"""
+import sys, torch
+sys.path[:0] = [{root!r}]
+from wm import world
+tac = world.temporal_attention_cuda
+launches = []
+for name in ("_forward_kernel", "_backward_kernel"):
+    k = getattr(tac, name)
+    counted = {{"__getitem__": lambda self, g, k=k, n=name: launches.append(n) or k[g]}}
+    setattr(tac, name, type("Counted", (), counted)())
+model = world.WorldModel(world.WorldConfig(widths=(32, 64), heads=2, temporal_layers=1, pose_layers=1), 16).cuda()
+codes = torch.randint(0, 16, (2, 6, 8, 8), device="cuda")
+motion = torch.randn(2, 6, 3, device="cuda")
+with torch.autocast("cuda", dtype=torch.bfloat16):
+    out = torch.compile(model)(codes, motion)
+model.loss(out, codes, motion)["loss"].backward()
+# one temporal layer on each of the two levels, each way: torch 2.11 once kept them out of compiled graphs
+assert sorted(launches) == ["_backward_kernel"] * 2 + ["_forward_kernel"] * 2, launches
+print("OK")
+"""
+
+
+def _script(dev: str) -> str:
+    return CHECK.format(root=str(ROOT), dev=dev)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_temporal_attention_matches_the_torch_path_on_cuda():
+    exec(_script("cuda"), {})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_world_model_launches_the_kernels():
+    exec(COMPILED.format(root=str(ROOT)), {})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the compiled kernels are tested")
+def test_fused_temporal_attention_matches_the_torch_path_in_the_interpreter():
+    run_in_triton_interpreter(_script("cpu"))

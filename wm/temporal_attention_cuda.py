@@ -1,0 +1,178 @@
+"""The world model's causal attention over time in one Triton kernel each way, for CUDA.
+
+A temporal layer attends, for every spatial cell and head, over the T <= 16 frames of a window: at the
+occworld size 40 000 cells x 8 heads x 11 frames x head dim 16-64. The torch path
+(wm.world.short_causal_attention) permutes q, k, v out of the (cells, T, 3C) projection, runs two
+batched matmuls of 11 x 16 matrices (cuBLAS/cutlass tiles of 64 or more waste most of each tile), a
+masked softmax between them, and permutes the result back: 33 of 208 GPU-ms of a compiled world step
+(H200, BENCHMARKS.md, issue 15), plus the copies.
+
+Here each program takes BLOCK rows (BLOCK // TP cells, their T frames padded to TP, a power of 2) of
+one head, reads q, k, v straight out of the (N, T, 3C) projection (row n*T + t: q of head h at h*D, k
+at C + h*D, v at 2C + h*D) and keeps the rest in registers. The (BLOCK, BLOCK) scores of all its rows
+against all its rows come from one tensor-core product; a cell's frames are one diagonal block, so
+the mask is block-diagonal and causal, and the products outside the blocks are the price of using
+the tensor cores at T = 11 (cheap next to reading q, k, v and writing the results).
+
+- forward (`_forward_kernel`): scores, masked softmax, o = P v; writes o straight into the (N, T, C)
+  layout the output projection reads, and each row's log-sum-exp (N, T, H) float32;
+- backward (`_backward_kernel`): the probabilities again from the log-sum-exp, then dv = P^T dO,
+  dP = dO v^T, dS = P (dP - rowsum(dO o)), dq = dS k, dk = dS^T q; a program owns all T frames of
+  its cells, so every gradient row is written once (no atomics), into one (N, T, 3C) tensor.
+
+Products in the input dtype with float32 sums (float32 inputs keep float32 products), softmax in
+float32; outputs in the input's dtype. Tile size: BENCHMARKS.md (issue 15) has the sweep. Registered
+as torch custom ops (wm::causal_time_attention and its backward) so torch.compile treats them as single
+opaque calls with no graph break. Equality with the torch path (values and gradients) is tested in
+tests/test_temporal_attention_cuda.py, compiled on CUDA, in Triton's interpreter elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+MAX_FRAMES = 16  # one cell's frames are one diagonal block of a tile: longer sequences take the torch path
+BLOCK = 64  # rows (cells x frames padded to a power of 2) per program: one (BLOCK, BLOCK) score tile
+WARPS = 4  # warps per program
+
+
+@triton.jit
+def _tile(qkv_ptr, N, T: tl.constexpr, TP: tl.constexpr, C: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+          BLOCK: tl.constexpr):
+    """This program's head and rows: BLOCK // TP cells, TP (>= T) rows each. Returns the head, the rows'
+    numbers n*T + t in the (N, T, .) tensors, which rows exist, the head-dim offsets, q, k, v (BLOCK, D)
+    in the input dtype, and which (query row, key row) pairs attend: the same cell, key frame <= query
+    frame, key frame < T. Every row attends to its cell's frame 0, so no row is all -inf."""
+    pid = tl.program_id(0)
+    h = pid % H  # the H heads of a block of cells run next to each other: they share cache lines
+    r = tl.arange(0, BLOCK)
+    g, t = r // TP, r % TP
+    cells = ((pid // H) * (BLOCK // TP) + g).to(tl.int64)
+    rows = cells * T + t
+    rmask = (cells < N) & (t < T)
+    dd = tl.arange(0, D)
+    off = rows[:, None] * (3 * C) + h * D + dd[None, :]
+    q = tl.load(qkv_ptr + off, mask=rmask[:, None], other=0.0)
+    k = tl.load(qkv_ptr + off + C, mask=rmask[:, None], other=0.0)
+    v = tl.load(qkv_ptr + off + 2 * C, mask=rmask[:, None], other=0.0)
+    attend = (g[:, None] == g[None, :]) & (t[None, :] <= t[:, None]) & (t[None, :] < T)
+    return h, rows, rmask, dd, off, q, k, v, attend
+
+
+@triton.jit
+def _forward_kernel(qkv_ptr, o_ptr, lse_ptr, N, scale, T: tl.constexpr, TP: tl.constexpr,
+                    C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                    PREC: tl.constexpr):
+    h, rows, rmask, dd, off, q, k, v, attend = _tile(qkv_ptr, N, T, TP, C, H, D, BLOCK)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # (BLOCK, BLOCK), float32 accumulation
+    s = tl.where(attend, s, float("-inf"))
+    m = tl.max(s, 1)
+    p = tl.exp(s - m[:, None])
+    total = tl.sum(p, 1)
+    o = tl.dot(p.to(v.dtype), v, input_precision=PREC) / total[:, None]
+    ooff = rows[:, None] * C + h * D + dd[None, :]
+    tl.store(o_ptr + ooff, o.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
+    tl.store(lse_ptr + rows * H + h, m + tl.log(total), mask=rmask)
+
+
+@triton.jit
+def _backward_kernel(qkv_ptr, o_ptr, lse_ptr, do_ptr, dqkv_ptr, N, scale, T: tl.constexpr, TP: tl.constexpr,
+                     C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                    PREC: tl.constexpr):
+    h, rows, rmask, dd, off, q, k, v, attend = _tile(qkv_ptr, N, T, TP, C, H, D, BLOCK)
+    ooff = rows[:, None] * C + h * D + dd[None, :]
+    do = tl.load(do_ptr + ooff, mask=rmask[:, None], other=0.0)
+    o = tl.load(o_ptr + ooff, mask=rmask[:, None], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # rowsum(dO * O)
+    lse = tl.load(lse_ptr + rows * H + h, mask=rmask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+    p = tl.exp(tl.where(attend & rmask[:, None], s - lse[:, None], float("-inf")))  # the forward's probabilities
+    dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    dscore = (p * (dp - delta[:, None])).to(q.dtype)  # softmax backward
+    dq = tl.dot(dscore, k, input_precision=PREC) * scale
+    dk = tl.dot(tl.trans(dscore), q, input_precision=PREC) * scale
+    ty = dqkv_ptr.dtype.element_ty
+    tl.store(dqkv_ptr + off, dq.to(ty), mask=rmask[:, None])
+    tl.store(dqkv_ptr + off + C, dk.to(ty), mask=rmask[:, None])
+    tl.store(dqkv_ptr + off + 2 * C, dv.to(ty), mask=rmask[:, None])
+
+
+def supports(frames: int, width: int, heads: int) -> bool:
+    """Whether the kernels take `frames` frames of `width` channels in `heads` heads: T <= 16 (a cell's
+    frames fit one tile) and a power-of-2 head dim of 16 to 128 (tensor-core dot sizes)."""
+    d = width // heads
+    return 1 <= frames <= MAX_FRAMES and d * heads == width and d == triton.next_power_of_2(d) and 16 <= d <= 128
+
+
+def _layout(qkv: Tensor, heads: int):
+    """Shapes and launch sizes: (N, T, C, D, T padded to a power of 2, grid)."""
+    n, t, c3 = qkv.shape
+    c = c3 // 3
+    d = c // heads
+    if c3 != 3 * c or not supports(t, c, heads):
+        raise ValueError(f"causal_time_attention: qkv {tuple(qkv.shape)} with {heads} heads: needs (N, T<=16, 3C) "
+                         "with a power-of-2 head dim of 16 to 128")
+    tp = triton.next_power_of_2(t)
+    return n, t, c, d, tp, (triton.cdiv(n, BLOCK // tp) * heads,)
+
+
+def _precision(qkv: Tensor) -> str:
+    """float32 inputs keep float32 products (tl.dot would round them to tf32); bf16/fp16 take the tensor cores'
+    native products with float32 sums."""
+    return "ieee" if qkv.dtype == torch.float32 else "tf32"
+
+
+@torch.library.custom_op("wm::causal_time_attention", mutates_args=())
+def _attention(qkv: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+    qkv = qkv.contiguous()
+    n, t, c, d, tp, grid = _layout(qkv, heads)
+    o = qkv.new_empty(n, t, c)
+    lse = torch.empty(n, t, heads, device=qkv.device, dtype=torch.float32)
+    _forward_kernel[grid](qkv, o, lse, n, d ** -0.5, T=t, TP=tp, C=c, H=heads, D=d, BLOCK=BLOCK,
+                          PREC=_precision(qkv), num_warps=WARPS)
+    return o, lse
+
+
+@_attention.register_fake
+def _(qkv: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+    n, t, c3 = qkv.shape
+    return qkv.new_empty(n, t, c3 // 3), qkv.new_empty(n, t, heads, dtype=torch.float32)
+
+
+@torch.library.custom_op("wm::causal_time_attention_backward", mutates_args=())
+def _attention_backward(qkv: Tensor, o: Tensor, lse: Tensor, do: Tensor, heads: int) -> Tensor:
+    qkv, o, do = qkv.contiguous(), o.contiguous(), do.contiguous()
+    n, t, c, d, tp, grid = _layout(qkv, heads)
+    dqkv = torch.empty_like(qkv)
+    _backward_kernel[grid](qkv, o, lse, do, dqkv, n, d ** -0.5, T=t, TP=tp, C=c, H=heads, D=d, BLOCK=BLOCK,
+                           PREC=_precision(qkv), num_warps=WARPS)
+    return dqkv
+
+
+@_attention_backward.register_fake
+def _(qkv: Tensor, o: Tensor, lse: Tensor, do: Tensor, heads: int) -> Tensor:
+    return torch.empty_like(qkv)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.heads = inputs[1]
+    ctx.save_for_backward(inputs[0], *output)  # o is the output projection's input: autograd keeps it anyway
+
+
+def _backward(ctx, do: Tensor, _dlse: Tensor):
+    qkv, o, lse = ctx.saved_tensors
+    return _attention_backward(qkv, o, lse, do, ctx.heads), None
+
+
+_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def causal_time_attention(qkv: Tensor, heads: int) -> Tensor:
+    """qkv (N, T, 3C), the fused q/k/v projection of N sequences of T <= 16 frames -> (N, T, C): per
+    head (C/heads, a power of 2) causal softmax attention, frame t over frames 0..t. The same function
+    as wm.world.short_causal_attention on the permuted q, k, v; differentiable in qkv."""
+    return _attention(qkv, heads)[0]
