@@ -224,14 +224,14 @@ class TemporalLayer(nn.Module):
 
     def forward(self, x: Tensor, cache: dict | None = None) -> Tensor:
         n, t, c = x.shape
+        qkv = self.qkv(self.norm1(x))
         if self._use_kernel(x, cache):
-            o = temporal_attention_cuda.causal_time_attention(self.qkv(self.norm1(x)), self.heads)
-            x = x + self.proj(o)
-            return x + self.ffn(self.norm2(x))
-        q, k, v = self.qkv(self.norm1(x)).reshape(n, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        k, v = _cached(cache, self, k, v)
-        o = short_causal_attention(q, k, v)
-        x = x + self.proj(o.transpose(1, 2).reshape(n, t, c))
+            o = temporal_attention_cuda.causal_time_attention(qkv, self.heads)  # (N, T, C), no permutes
+        else:
+            q, k, v = qkv.reshape(n, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+            k, v = _cached(cache, self, k, v)
+            o = short_causal_attention(q, k, v).transpose(1, 2).reshape(n, t, c)
+        x = x + self.proj(o)
         return x + self.ffn(self.norm2(x))
 
 
