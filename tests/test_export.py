@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import onnx
 import pytest
@@ -24,8 +25,18 @@ def export(*args):
                           timeout=600)
 
 
-def test_export_matches_pytorch_at_batch_1_and_2(trained, tmp_path):
-    p = export("--run", str(trained.run_dir()), "--out", str(tmp_path), "--fp16")
+@pytest.fixture(scope="module")
+def cli(trained, tmp_path_factory):
+    """One export.py run that the CLI tests read (an export takes tens of seconds here): FP32 and FP16
+    graphs, then INT8 calibration on 8 windows and the report on all the val windows."""
+    out = tmp_path_factory.mktemp("cli_export")
+    p = export("--run", str(trained.run_dir()), "--out", str(out), "--fp16", "--int8",
+               "--calib-windows", "8", "--eval-windows", "100")
+    return SimpleNamespace(p=p, out=out)
+
+
+def test_export_matches_pytorch_at_batch_1_and_2(cli):
+    p, tmp_path = cli.p, cli.out
     assert p.returncode == 0, p.stderr[-3000:]
     rep = json.loads((tmp_path / "export.json").read_text())
     assert set(rep["graphs"]) == {"tokenizer_encode", "world_step", "tokenizer_decode"}
@@ -49,13 +60,13 @@ def test_export_matches_pytorch_at_batch_1_and_2(trained, tmp_path):
     assert not list(tmp_path.glob(".*tmp*"))
 
 
-def test_host_loop_over_the_graphs_is_the_rollout(trained, tmp_path):
+def test_host_loop_over_the_graphs_is_the_rollout(trained, cli):
     """wm.export.forecast.forecast over the modules is WorldModel.rollout exactly; over the ONNX
-    files (onnxruntime) the same forecast, for every frame count the step graph sees."""
+    files that export.py wrote (onnxruntime) the same forecast, for every frame count the step graph sees."""
     import torch
 
     from wm.export.forecast import OrtGraphs, TorchGraphs, forecast
-    from wm.export.onnx import OUTPUTS, dynamic_shapes, example_inputs, export_graph, graphs
+    from wm.export.onnx import graphs
 
     t = load_trained(trained.run_dir())
     cfg = t.cfg
@@ -68,10 +79,7 @@ def test_host_loop_over_the_graphs_is_the_rollout(trained, tmp_path):
         ref = t.tokenizer.decode(codes).argmax(2).to(torch.uint8)
         mods = graphs(t)
         assert torch.equal(forecast(TorchGraphs(mods), cfg, occ, motion[:, :P], motion[:, P:]), ref)
-        ex = example_inputs(t, 2)
-        for name, mod in mods.items():
-            export_graph(mod, ex[name], OUTPUTS[name], tmp_path / f"{name}.onnx", dynamic_shapes(t, name, ex[name], 8))
-        got = forecast(OrtGraphs({k: tmp_path / f"{k}.onnx" for k in mods}), cfg, occ, motion[:, :P], motion[:, P:])
+        got = forecast(OrtGraphs({k: cli.out / f"{k}.onnx" for k in mods}), cfg, occ, motion[:, :P], motion[:, P:])
     assert float((got == ref).float().mean()) > 0.999
 
 
@@ -128,9 +136,8 @@ def test_checkpoint_whose_config_does_not_fit_its_weights(trained, tmp_path):
         load_trained(trained.run_dir(), bad)
 
 
-def test_cli_int8_writes_qdq_graphs_caches_and_report(trained, tmp_path):
-    p = export("--run", str(trained.run_dir()), "--out", str(tmp_path), "--int8",
-               "--calib-windows", "8", "--eval-windows", "100")
+def test_cli_int8_writes_qdq_graphs_caches_and_report(cli):
+    p, tmp_path = cli.p, cli.out
     assert p.returncode == 0, p.stderr[-3000:]
     # more eval windows than the val split has: all of them, said in one line
     assert "note: --eval-windows 100 but split 'val' has 9 windows" in p.stdout
