@@ -43,8 +43,8 @@ WARPS = 4  # warps per program
 def _tile(qkv_ptr, N, T: tl.constexpr, TP: tl.constexpr, C: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
           BLOCK: tl.constexpr):
     """This program's head and rows: BLOCK // TP cells, TP (>= T) rows each. Returns the head, the rows'
-    numbers n*T + t in the (N, T, .) tensors, which rows exist, the head-dim offsets, q, k, v (BLOCK, D)
-    in the input dtype, and which (query row, key row) pairs attend: the same cell, key frame <= query
+    numbers n*T + t in the (N, T, .) tensors, which rows exist, the (BLOCK, D) offsets of the head's q in
+    (N, T, 3C) and of its slice of (N, T, C), q, k, v (BLOCK, D) in the input dtype, and which (query row, key row) pairs attend: the same cell, key frame <= query
     frame, key frame < T. Every row attends to its cell's frame 0, so no row is all -inf."""
     pid = tl.program_id(0)
     h = pid % H  # the H heads of a block of cells run next to each other: they share cache lines
@@ -55,25 +55,25 @@ def _tile(qkv_ptr, N, T: tl.constexpr, TP: tl.constexpr, C: tl.constexpr, H: tl.
     rmask = (cells < N) & (t < T)
     dd = tl.arange(0, D)
     off = rows[:, None] * (3 * C) + h * D + dd[None, :]
+    ooff = rows[:, None] * C + h * D + dd[None, :]
     q = tl.load(qkv_ptr + off, mask=rmask[:, None], other=0.0)
     k = tl.load(qkv_ptr + off + C, mask=rmask[:, None], other=0.0)
     v = tl.load(qkv_ptr + off + 2 * C, mask=rmask[:, None], other=0.0)
     attend = (g[:, None] == g[None, :]) & (t[None, :] <= t[:, None]) & (t[None, :] < T)
-    return h, rows, rmask, dd, off, q, k, v, attend
+    return h, rows, rmask, off, ooff, q, k, v, attend
 
 
 @triton.jit
 def _forward_kernel(qkv_ptr, o_ptr, lse_ptr, N, scale, T: tl.constexpr, TP: tl.constexpr,
                     C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                     PREC: tl.constexpr):
-    h, rows, rmask, dd, off, q, k, v, attend = _tile(qkv_ptr, N, T, TP, C, H, D, BLOCK)
+    h, rows, rmask, off, ooff, q, k, v, attend = _tile(qkv_ptr, N, T, TP, C, H, D, BLOCK)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # (BLOCK, BLOCK), float32 accumulation
     s = tl.where(attend, s, float("-inf"))
     m = tl.max(s, 1)
     p = tl.exp(s - m[:, None])
     total = tl.sum(p, 1)
     o = tl.dot(p.to(v.dtype), v, input_precision=PREC) / total[:, None]
-    ooff = rows[:, None] * C + h * D + dd[None, :]
     tl.store(o_ptr + ooff, o.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
     tl.store(lse_ptr + rows * H + h, m + tl.log(total), mask=rmask)
 
@@ -81,9 +81,8 @@ def _forward_kernel(qkv_ptr, o_ptr, lse_ptr, N, scale, T: tl.constexpr, TP: tl.c
 @triton.jit
 def _backward_kernel(qkv_ptr, o_ptr, lse_ptr, do_ptr, dqkv_ptr, N, scale, T: tl.constexpr, TP: tl.constexpr,
                      C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                    PREC: tl.constexpr):
-    h, rows, rmask, dd, off, q, k, v, attend = _tile(qkv_ptr, N, T, TP, C, H, D, BLOCK)
-    ooff = rows[:, None] * C + h * D + dd[None, :]
+                     PREC: tl.constexpr):
+    h, rows, rmask, off, ooff, q, k, v, attend = _tile(qkv_ptr, N, T, TP, C, H, D, BLOCK)
     do = tl.load(do_ptr + ooff, mask=rmask[:, None], other=0.0)
     o = tl.load(o_ptr + ooff, mask=rmask[:, None], other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # rowsum(dO * O)
