@@ -76,7 +76,7 @@ sys.path[:0] = [{root!r}]
 from wm import world
 tac = world.temporal_attention_cuda
 launches = []
-for name in ("_forward_kernel", "_backward_kernel"):
+for name in ("_time_attention_forward", "_time_attention_backward"):
     k = getattr(tac, name)
     counted = {{"__getitem__": lambda self, g, k=k, n=name: launches.append(n) or k[g]}}
     setattr(tac, name, type("Counted", (), counted)())
@@ -87,7 +87,7 @@ with torch.autocast("cuda", dtype=torch.bfloat16):
     out = torch.compile(model)(codes, motion)
 model.loss(out, codes, motion)["loss"].backward()
 # one temporal layer on each of the two levels, each way: torch 2.11 once kept them out of compiled graphs
-assert sorted(launches) == ["_backward_kernel"] * 2 + ["_forward_kernel"] * 2, launches
+assert sorted(launches) == ["_time_attention_backward"] * 2 + ["_time_attention_forward"] * 2, launches
 print("OK")
 """
 

@@ -352,6 +352,7 @@ class Bench:
         busy = sum(r[1] for r in rows) if self.cuda else None
         kinds = {"gemm/conv": r"gemm|conv|cutlass|xmma|sm\d+_|wgrad|dgrad|implicit|cudnn|nvjet",
                  "attention": r"flash|fmha|attention|sdpa|efficient",
+                 "fused head/losses": r"head_loss|lovasz|histogram_kernel|gradient_kernel",
                  "norm": r"norm|welford", "optimizer": r"adam|foreach|multi_tensor",
                  "copy/cast": r"copy|cast|convert|memcpy|memset|fill|cat|index"}
         split = {}

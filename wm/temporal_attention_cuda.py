@@ -14,9 +14,9 @@ against all its rows come from one tensor-core product; a cell's frames are one 
 the mask is block-diagonal and causal, and the products outside the blocks are the price of using
 the tensor cores at T = 11 (cheap next to reading q, k, v and writing the results).
 
-- forward (`_forward_kernel`): scores, masked softmax, o = P v; writes o straight into the (N, T, C)
+- forward (`_time_attention_forward`): scores, masked softmax, o = P v; writes o straight into the (N, T, C)
   layout the output projection reads, and each row's log-sum-exp (N, T, H) float32;
-- backward (`_backward_kernel`): the probabilities again from the log-sum-exp, then dv = P^T dO,
+- backward (`_time_attention_backward`): the probabilities again from the log-sum-exp, then dv = P^T dO,
   dP = dO v^T, dS = P (dP - rowsum(dO o)), dq = dS k, dk = dS^T q; a program owns all T frames of
   its cells, so every gradient row is written once (no atomics), into one (N, T, 3C) tensor.
 
@@ -64,7 +64,7 @@ def _tile(qkv_ptr, N, T: tl.constexpr, TP: tl.constexpr, C: tl.constexpr, H: tl.
 
 
 @triton.jit
-def _forward_kernel(qkv_ptr, o_ptr, lse_ptr, N, scale, T: tl.constexpr, TP: tl.constexpr,
+def _time_attention_forward(qkv_ptr, o_ptr, lse_ptr, N, scale, T: tl.constexpr, TP: tl.constexpr,
                     C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                     PREC: tl.constexpr):
     h, rows, rmask, off, ooff, q, k, v, attend = _tile(qkv_ptr, N, T, TP, C, H, D, BLOCK)
@@ -79,7 +79,7 @@ def _forward_kernel(qkv_ptr, o_ptr, lse_ptr, N, scale, T: tl.constexpr, TP: tl.c
 
 
 @triton.jit
-def _backward_kernel(qkv_ptr, o_ptr, lse_ptr, do_ptr, dqkv_ptr, N, scale, T: tl.constexpr, TP: tl.constexpr,
+def _time_attention_backward(qkv_ptr, o_ptr, lse_ptr, do_ptr, dqkv_ptr, N, scale, T: tl.constexpr, TP: tl.constexpr,
                      C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                      PREC: tl.constexpr):
     h, rows, rmask, off, ooff, q, k, v, attend = _tile(qkv_ptr, N, T, TP, C, H, D, BLOCK)
@@ -131,7 +131,7 @@ def _attention(qkv: Tensor, heads: int) -> tuple[Tensor, Tensor]:
     n, t, c, d, tp, grid = _layout(qkv, heads)
     o = qkv.new_empty(n, t, c)
     lse = torch.empty(n, t, heads, device=qkv.device, dtype=torch.float32)
-    _forward_kernel[grid](qkv, o, lse, n, d ** -0.5, T=t, TP=tp, C=c, H=heads, D=d, BLOCK=BLOCK,
+    _time_attention_forward[grid](qkv, o, lse, n, d ** -0.5, T=t, TP=tp, C=c, H=heads, D=d, BLOCK=BLOCK,
                           PREC=_precision(qkv), num_warps=WARPS)
     return o, lse
 
@@ -147,7 +147,7 @@ def _attention_backward(qkv: Tensor, o: Tensor, lse: Tensor, do: Tensor, heads: 
     qkv, o, do = qkv.contiguous(), o.contiguous(), do.contiguous()
     n, t, c, d, tp, grid = _layout(qkv, heads)
     dqkv = torch.empty_like(qkv)
-    _backward_kernel[grid](qkv, o, lse, do, dqkv, n, d ** -0.5, T=t, TP=tp, C=c, H=heads, D=d, BLOCK=BLOCK,
+    _time_attention_backward[grid](qkv, o, lse, do, dqkv, n, d ** -0.5, T=t, TP=tp, C=c, H=heads, D=d, BLOCK=BLOCK,
                            PREC=_precision(qkv), num_warps=WARPS)
     return dqkv
 

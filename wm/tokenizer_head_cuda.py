@@ -8,13 +8,13 @@ tensors for the backward pass (9 GiB at that size). Here h is read as a (P, E) m
 voxel in the labels' order (a view when h is channels-last, one copy otherwise); each program takes
 tiles of voxels, computes their C logits in registers (an E-long dot product per class, E = 8) and
 
-- forward (`_forward_kernel`): the cross-entropy of each voxel (summed per program) and, for the
+- forward (`_head_loss_forward`): the cross-entropy of each voxel (summed per program) and, for the
   histogram Lovasz (wm.lovasz, impl "histogram"), adds each (class, error bin, foreground?) to the
   (C, bins, 2) count histogram and its error to the same slot of an error-sum table (fixed point,
   2**-32, in int64: exact, so the loss is the same number on every run);
 - (torch, on the small tables) wm.lovasz.gradient_table gives each slot's Lovasz gradient; the loss
   is sum(error sums x gradients), the same sum as the torch path's sum_i e_i g_i;
-- backward (`_backward_kernel`): recomputes the tile's logits and softmax, looks each point's Lovasz
+- backward (`_head_loss_backward`): recomputes the tile's logits and softmax, looks each point's Lovasz
   gradient up in the table, goes back through the softmax and the cross-entropy to d loss / d logits,
   and from there to d h (written in h's dtype) and to d class-embedding (one partial per program,
   summed in torch: no float atomics, the same gradient on every run).
@@ -68,7 +68,7 @@ def _tile(h_ptr, lab_ptr, w_ptr, v0, P, C: tl.constexpr, E: tl.constexpr, CP: tl
 
 
 @triton.jit
-def _forward_kernel(h_ptr, w_ptr, lab_ptr, cw_ptr, hist_ptr, esum_ptr, ce_ptr, P,
+def _head_loss_forward(h_ptr, w_ptr, lab_ptr, cw_ptr, hist_ptr, esum_ptr, ce_ptr, P,
                     C: tl.constexpr, E: tl.constexpr, CP: tl.constexpr, EP: tl.constexpr,
                     BINS: tl.constexpr, SHIFT: tl.constexpr, LOVASZ: tl.constexpr,
                     BLOCK: tl.constexpr, TILES: tl.constexpr):
@@ -91,7 +91,7 @@ def _forward_kernel(h_ptr, w_ptr, lab_ptr, cw_ptr, hist_ptr, esum_ptr, ce_ptr, P
 
 
 @triton.jit
-def _backward_kernel(h_ptr, w_ptr, lab_ptr, cw_ptr, table_ptr, scale_ptr, dh_ptr, dw_ptr, P,
+def _head_loss_backward(h_ptr, w_ptr, lab_ptr, cw_ptr, table_ptr, scale_ptr, dh_ptr, dw_ptr, P,
                      C: tl.constexpr, E: tl.constexpr, CP: tl.constexpr, EP: tl.constexpr,
                      BINS: tl.constexpr, SHIFT: tl.constexpr, LOVASZ: tl.constexpr,
                      BLOCK: tl.constexpr, TILES: tl.constexpr):
@@ -145,7 +145,7 @@ class _HeadLoss(torch.autograd.Function):
         size = c * bins * 2 if lovasz else 1
         hist = torch.zeros(size, device=dev, dtype=torch.int32)
         esum = torch.zeros(size, device=dev, dtype=torch.int64)
-        _forward_kernel[grid](h, weight, labels, class_w, hist, esum, ce_part, num_points, c, e, cp, ep, bins,
+        _head_loss_forward[grid](h, weight, labels, class_w, hist, esum, ce_part, num_points, c, e, cp, ep, bins,
                               shift, lovasz, BLOCK, TILES, num_warps=WARPS)
         if lovasz:
             hist = hist.view(c, bins, 2)
@@ -174,7 +174,7 @@ class _HeadLoss(torch.autograd.Function):
                              zero if d_lov is None else d_lov.float()]).contiguous()
         dh = torch.empty_like(h)
         dw = torch.empty(grid[0], c, e, device=h.device, dtype=torch.float32)
-        _backward_kernel[grid](h, weight, labels, class_w, table, scale, dh, dw, num_points, c, e, cp, ep,
+        _head_loss_backward[grid](h, weight, labels, class_w, table, scale, dh, dw, num_points, c, e, cp, ep,
                                ctx.bins, ctx.shift, ctx.lovasz, BLOCK, TILES, num_warps=WARPS)
         return dh, dw.sum(0).to(weight.dtype), None, None, None, None, None
 
