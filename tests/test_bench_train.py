@@ -142,7 +142,7 @@ def test_bench_runner_reproduces_fit_bitwise(tiny, B):
     runner = B.Runner(T.TokenizerStage(run), cfg, d, torch.device("cpu"), None)
     for _ in range(4):
         r = runner.step()
-        assert not r.skipped and r.samples == 4 and 0 <= r.data_wait_s
+        assert r.outcome() == (False, False) and r.samples == 4 and 0 <= r.data_wait_s
     runner.close()
     run.log.close()
     assert_same(ref["model"], runner.model.state_dict(), "model")
@@ -209,7 +209,7 @@ def old_loop_body(stage, cfg, d, device, dtype, steps):
             scaler.step(opt)
             scaler.update()
             opt.zero_grad(set_to_none=True)
-            stage.after_step(model, d)
+            stage.after_step(model, d, torch.tensor(False))  # (its skip flag came later)
         step += 1
     return model, opt, sampler, terms, gnorm
 
@@ -242,3 +242,35 @@ def test_train_step_equals_the_loop_body_it_replaced(tiny, B, stage_name):
     assert sampler_o.epoch == 1  # the stream crossed an epoch boundary
     assert_same({k: v for k, v in terms_o.items()}, r.terms, "terms")
     assert torch.equal(gnorm_o, r.grad_norm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("stage_name", ["tokenizer", "world"])
+def test_train_step_on_cuda_never_waits_for_the_gpu(tiny, B, stage_name):
+    # a host sync in the step would leave the GPU idle while the host queues the next one: torch's
+    # sync debug mode turns any into an error; the outcome is then read while later work still runs
+    over = {"train__stages": "tokenizer,world", "tokenizer_stage__max_steps": 2, "world_stage__max_steps": 2}
+    cfg = load_config(None, sets(tiny.args(out=f"cuda-{stage_name}", **over)))
+    d, dev = D.Dist(), torch.device("cuda")
+    run = T.Run(cfg, d)
+    if stage_name == "tokenizer":
+        stage = T.TokenizerStage(run)
+    else:
+        B.ensure_tokenizer_checkpoint(run, d)
+        stage = T.WorldStage(run, dev, torch.bfloat16)
+    runner = B.Runner(stage, cfg, d, dev, torch.bfloat16)
+    try:
+        runner.step()  # the first step may wait (lazy initialisation, cuDNN's and cuBLAS's choices)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            r = runner.step()
+            torch.cuda._sleep(1 << 30)  # about half a second of GPU time queued after the step
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert r.outcome() == (False, False)
+        assert not torch.cuda.current_stream().query()  # read while the later work still ran
+    finally:
+        runner.close()
+        run.log.close()
+        torch.cuda.synchronize()

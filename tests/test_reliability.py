@@ -102,6 +102,21 @@ def test_1_sigterm_to_the_process_group_with_two_workers_saves_and_exits_0(tiny)
     assert 2 <= st["step"] < 40
 
 
+def test_1b_a_stop_read_a_step_late_saves_the_next_step_and_the_resume_is_exact(tiny, monkeypatch, capsys):
+    # between logs and saves fit reads a step's flags once the next step is queued: SIGTERM during
+    # step 2 is seen there, step 3 runs, is saved, and the resumed run ends where a straight one does
+    over = dict(tokenizer_stage__max_steps=6, train__log_every=100, train__ckpt_every=100)
+    assert T.main(tiny.args(out="straight", **over)) == 0
+    stop_after(monkeypatch, 2)
+    assert T.main(tiny.args(out="cut", **over)) == 0
+    assert "tokenizer: preempted (SIGTERM/SIGINT); saved step 3." in capsys.readouterr().out
+    monkeypatch.undo()
+    T._STOP.update(flag=False, count=0)
+    assert T.main(tiny.args(out="cut", **over)) == 0
+    assert "resumed from" in capsys.readouterr().out
+    same_training_state(state_of(tiny.run_dir("straight")), state_of(tiny.run_dir("cut")))
+
+
 # ---------------------------------------------------------------------------------------------
 # 2-4. checkpoint integrity: checked on every load, fall back to the newest valid one
 

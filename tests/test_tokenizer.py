@@ -209,7 +209,10 @@ def test_dead_code_reset_replaces_unused_codes():
         dead = age >= 2
         assert int(out["dead_codes"]) == int(dead.sum()) > 0
         z = m.quantizer._recent_z
-        n = m.reset_dead_codes()
+        # the training loop's skipped step (flag on the device): nothing changes, the codes stay dead
+        assert m.reset_dead_codes(skip=torch.tensor(True)) == 0
+        assert torch.equal(m.codebook, before) and torch.equal(m.quantizer.code_age, age)
+        n = m.reset_dead_codes(skip=torch.tensor(False))
         assert n == int(dead.sum())
         after = m.codebook.detach()
         assert torch.equal(after[~dead], before[~dead])  # used codes untouched

@@ -294,17 +294,22 @@ def metrics_records(run_dir: Path) -> list[dict]:
             for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
 
 
-def test_nan_batch_is_skipped_and_counted(tiny, monkeypatch, capsys):
+def nan_in_window(monkeypatch, index: int) -> None:
+    """Token-cache window `index` comes with a NaN in its motion (one batch of each epoch)."""
     real = T.CodeWindows.__getitem__
 
     def getitem(self, i):
         out = real(self, i)
-        if i == 5:
+        if i == index:
             out["motion"] = out["motion"].clone()
             out["motion"][0, 0] = float("nan")
         return out
 
     monkeypatch.setattr(T.CodeWindows, "__getitem__", getitem)
+
+
+def test_nan_batch_is_skipped_and_counted(tiny, monkeypatch, capsys):
+    nan_in_window(monkeypatch, 5)
     args = tiny.args(train__stages="tokenizer,world", tokenizer_stage__max_steps=2,
                      world_stage__max_steps=9, train__ckpt_every=1, train__keep_last=20)
     assert T.main(args) == 0
@@ -328,6 +333,50 @@ def test_nan_batch_is_skipped_and_counted(tiny, monkeypatch, capsys):
     if bad < 9:  # and training went on
         nxt = load(cdir / ck.checkpoint_name(bad + 1))
         assert not all(torch.equal(nxt["model"][k], after["model"][k]) for k in after["model"])
+
+
+def test_outcomes_read_a_step_late_change_nothing(tiny, monkeypatch, capsys):
+    """fit reads a step's outcome (skipped? stop?) once the next step is queued, except on steps that
+    log or save: the same NaN window read late (log and save only at the end) skips the same step,
+    logs it under the same number, and ends in the same state as reading every step at once."""
+    nan_in_window(monkeypatch, 5)
+    runs = {}
+    for out, every in (("each", 1), ("late", 100)):
+        capsys.readouterr()
+        assert T.main(tiny.args(out=out, train__stages="tokenizer,world", tokenizer_stage__max_steps=2,
+                                world_stage__max_steps=9, train__ckpt_every=every, train__log_every=every)) == 0
+        rd = tiny.run_dir(out)
+        skips = [(r["step"], r["train/nonfinite_steps"]) for r in metrics_records(rd) if r["kind"] == "world/skip"]
+        said = [ln for ln in capsys.readouterr().out.splitlines() if "step skipped" in ln]
+        runs[out] = skips, said, final_state(rd, "world")
+    (skips, said, each), (skips_late, said_late, late) = runs["each"], runs["late"]
+    assert len(skips) == 1 and skips == skips_late and said == said_late, (skips, skips_late, said, said_late)
+    assert each["step"] == late["step"] == 9
+    assert_same(each["model"], late["model"], "model")
+    assert_same(each["optimizer"], late["optimizer"], "optimizer")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_step_unless_skips_on_the_device_and_changes_nothing(fused):
+    """A skipped AdamW step (fused: decided on the device through found_inf; else by the host) leaves
+    parameters, moments and step counts exactly as they were: steps on g1, (g2 skipped), g3 equal
+    steps on g1, g3."""
+    torch.manual_seed(0)
+    grads = [[torch.randn(3, 4), torch.randn(3)] for _ in range(3)]
+    states = []
+    for order in ((0, 1, 2), (0, 2)):
+        torch.manual_seed(1)
+        m = torch.nn.Linear(4, 3)
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1, fused=fused)
+        for i in order:
+            for p, g in zip(m.parameters(), grads[i]):
+                p.grad = g.clone()
+            T.step_unless(opt, torch.tensor(float(i == 1)))
+            assert not hasattr(opt, "found_inf")
+        states.append((m.state_dict(), opt.state_dict()))
+    assert_same(states[0][0], states[1][0], "model")
+    assert_same(states[0][1], states[1][1], "optimizer")
+    assert states[0][1]["state"][0]["step"] == 2
 
 
 def test_too_many_nonfinite_steps_stop_with_clear_error(tiny, monkeypatch):

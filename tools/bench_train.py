@@ -10,7 +10,8 @@ activation checkpointing, token cache vs encoding on the fly, and what a checkpo
 Every variant times `wm.train.train_step`, the body of train.py's loop (grad_accum micro-batches,
 DDP no_sync, autocast, GradScaler, clipping, the all-reduced finite check, AdamW, after_step), fed
 by the same sampler, DataLoader and BatchStream as `fit`, after `--warmup` steps. Reported per
-variant: step time (ms; the timed span ends with a CUDA synchronize), samples/s (all ranks; the
+variant: step time (ms; the timed span ends with a CUDA synchronize; the median step from CUDA
+events between step starts, since the host, as in `fit`, runs a step ahead of the GPU), samples/s (all ranks; the
 tokenizer's samples are frames), TFLOP/s and MFU (FLOPs of one step counted with
 torch.utils.flop_counter through wm.train.count_flops, over the bf16 matrix-product peak this script
 measures on the same card in the same run with a big matmul; fp32 variants also against the
@@ -172,8 +173,8 @@ class OnTheFlyWorld:
     def samples(self, batch: dict) -> int:
         return batch["occ"].shape[0]
 
-    def after_step(self, model: nn.Module, d: D.Dist) -> None:
-        self.ws.after_step(model, d)
+    def after_step(self, model: nn.Module, d: D.Dist, skipped: torch.Tensor) -> None:
+        self.ws.after_step(model, d, skipped)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,18 +275,27 @@ class Bench:
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
                 before = torch.cuda.memory_allocated(device)
-            per_step, wait, samples, skipped = [], 0.0, 0, 0
+            per_step, wait, samples, skipped, marks, prev = [], 0.0, 0, 0, [], None
             t0 = time.perf_counter()
             for _ in range(a.steps):
                 ts = time.perf_counter()
-                r = runner.step()  # ends in a host sync (the finite check), so host times are real
+                if self.cuda:  # the host runs ahead of the GPU: step times from the GPU's clock
+                    marks.append(torch.cuda.Event(enable_timing=True))
+                    marks[-1].record()
+                r = runner.step()
+                if prev is not None:  # as fit reads them: the previous step's, once this one is queued
+                    skipped += prev.outcome()[0]
+                prev = r
                 per_step.append(time.perf_counter() - ts)
                 wait += r.data_wait_s
                 samples += r.samples
-                skipped += r.skipped
             if self.cuda:
+                marks.append(torch.cuda.Event(enable_timing=True))
+                marks[-1].record()
                 torch.cuda.synchronize(device)
+                per_step = [m0.elapsed_time(m1) / 1e3 for m0, m1 in zip(marks, marks[1:])]
             total = time.perf_counter() - t0
+            skipped += r.outcome()[0]
             loss = float(r.terms["loss"])
             peak = torch.cuda.max_memory_allocated(device) if self.cuda else None
         finally:

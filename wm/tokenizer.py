@@ -341,10 +341,12 @@ class VectorQuantizer(nn.Module):
         return self.codebook(codes).permute(0, 3, 1, 2)
 
     @torch.no_grad()
-    def reset_dead_codes(self, candidates: Tensor | None = None) -> Tensor | int:
+    def reset_dead_codes(self, candidates: Tensor | None = None, skip: Tensor | None = None) -> Tensor | int:
         """Re-initialise codes whose age reached `dead_code_steps` from rows of `candidates` (M, D) (default:
         the last training forward's encoder outputs), drawn without replacement where possible with the
         torch RNG. Returns how many codes were reset (a 0-d tensor; 0 when off or no forward yet).
+        `skip` (a 0-d bool, on any device): when true nothing changes (the training loop's skipped
+        step, whose encoder outputs may be non-finite); the RNG draw happens either way.
 
         Sync-free: it runs after every optimizer step, and a host sync there (`nonzero`, `.item()`)
         would leave the GPU idle while the next step is launched (measured on an H200 at the occworld
@@ -363,6 +365,8 @@ class VectorQuantizer(nn.Module):
             pick = torch.randint(0, m, (k,), device=cand.device)
         w = self.codebook.weight
         dead = self.code_age >= self.dead_code_steps  # (K,)
+        if skip is not None:
+            dead = dead & ~skip.to(dead.device)
         w.copy_(torch.where(dead.to(w.device)[:, None], cand[pick].to(w.device, w.dtype), w))
         self.code_age.masked_fill_(dead, 0)
         return dead.sum()
@@ -664,9 +668,9 @@ class Tokenizer(nn.Module):
         total = cfg.ce_weight * ce + cfg.lovasz_weight * lov + cfg.vq_weight * vq
         return {"loss": total, "ce": ce, "lovasz": lov, "vq": vq}
 
-    def reset_dead_codes(self, candidates: Tensor | None = None) -> int:
+    def reset_dead_codes(self, candidates: Tensor | None = None, skip: Tensor | None = None) -> int:
         """See VectorQuantizer.reset_dead_codes; call after optimizer.step()."""
-        return self.quantizer.reset_dead_codes(candidates)
+        return self.quantizer.reset_dead_codes(candidates, skip)
 
     def token_mask(self, mask: Tensor) -> Tensor:
         """Voxel mask (..., X, Y, Z) -> (..., X/d, Y/d) bool: the token cells whose column holds

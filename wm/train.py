@@ -12,9 +12,11 @@ complete checkpoint; `--fresh` starts over (the old run folder is moved aside, n
 
 The loop itself (`fit`) reads top to bottom: per optimizer step, `grad_accum` micro-batches
 (DDP syncs gradients only on the last), one all-reduced check that loss and gradients are finite
-(a non-finite step is skipped and counted; too many in a row stops the run, the last good
-checkpoint intact), clip, step, schedule; then logging, validation, checkpointing, and the
-preemption check (SIGTERM/SIGINT: every rank agrees at the step boundary, saves, exits 0).
+(a non-finite step is skipped on the device and counted; too many in a row stops the run, the last
+good checkpoint intact), clip, step, schedule; then logging, validation, checkpointing, and the
+preemption check (SIGTERM/SIGINT: every rank agrees at a step boundary, saves, exits 0). The host
+reads a step's outcome one step late, once the next step is queued, so it never leaves the GPU idle
+waiting for it; steps that log, validate or save read every outcome first.
 """
 
 from __future__ import annotations
@@ -413,12 +415,13 @@ class TokenizerStage:
     def samples(self, batch: dict) -> int:
         return batch["occ"].shape[0]
 
-    def after_step(self, model: nn.Module, d: D.Dist) -> None:
+    def after_step(self, model: nn.Module, d: D.Dist, skipped: torch.Tensor) -> None:
         """Dead-code reset: rank 0 decides from its encoder outputs, every rank gets its codebook
-        (DDP does not sync in-place parameter edits)."""
+        (DDP does not sync in-place parameter edits). Not after a skipped step (`skipped`, a bool on
+        the device): its encoder outputs may be non-finite."""
         m = unwrap(model)
         if d.is_main:
-            m.reset_dead_codes()
+            m.reset_dead_codes(skip=skipped)
         if d.active:
             torch.distributed.broadcast(m.quantizer.codebook.weight.data, 0)
             torch.distributed.broadcast(m.quantizer.code_age, 0)
@@ -479,7 +482,7 @@ class WorldStage:
     def samples(self, batch: dict) -> int:
         return batch["codes"].shape[0]
 
-    def after_step(self, model: nn.Module, d: D.Dist) -> None:
+    def after_step(self, model: nn.Module, d: D.Dist, skipped: torch.Tensor) -> None:
         pass
 
     @torch.no_grad()
@@ -658,11 +661,53 @@ class StepResult:
 
     terms: dict  # the loss terms (0-dim tensors), averaged over the micro-batches
     grad_norm: torch.Tensor  # before clipping
-    skipped: bool  # loss or gradient non-finite on some rank: nothing was updated
-    preempt: bool  # some rank got SIGTERM/SIGINT: stop at this step boundary
+    flags: "HostCopy"  # all ranks': [loss or gradient non-finite, SIGTERM/SIGINT received]
+    fp16: bool  # under fp16 the GradScaler, not the flag, skips non-finite steps
     data_wait_s: float  # host seconds spent waiting for batches (loader + copy to the device)
     samples: int  # samples trained on in this step, all ranks together
     batch: dict  # the last micro-batch, on the device (count_flops measures with it)
+
+    def outcome(self) -> tuple[bool, bool]:
+        """(skipped: nothing was updated, preempt: stop at a step boundary), the same on every rank.
+        Waits for this step's work on the GPU, not for what was queued after it."""
+        bad, stop = (bool(x) for x in self.flags.read())
+        return bad and not self.fp16, stop
+
+
+class HostCopy:
+    """A small device tensor copied to pinned host memory as soon as the stream reaches it: `read()`
+    then waits for the work queued before the copy, not for the work queued since (the next step)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.ready = None
+        if t.is_cuda:
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:  # CPU ops are synchronous: the value is there
+            self.host = t
+
+    def read(self) -> list:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
+def step_unless(opt: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """`opt.step()` unless `skip` (0-dim float32 on the device, 1 = skip). Fused AdamW (CUDA) decides
+    on the device: it takes the flag the way torch.amp.GradScaler hands it its inf check, as the
+    `found_inf` attribute, and leaves parameters, moments and step counts as they were; so the host
+    never waits for the GPU here. Other optimizers: the host reads the flag (on a CPU, where every
+    op is synchronous, that costs nothing)."""
+    if getattr(opt, "_step_supports_amp_scaling", False):
+        opt.found_inf = skip
+        try:
+            opt.step()
+        finally:
+            del opt.found_inf
+    elif not bool(skip):
+        opt.step()
 
 
 def train_step(stage, model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
@@ -672,10 +717,11 @@ def train_step(stage, model: nn.Module, opt: torch.optim.Optimizer, scaler: torc
 
     `s.grad_accum` micro-batches from `next_batch()` under autocast, the loss scaled by the
     (fp16-only) GradScaler; DDP syncs gradients on the last micro-batch only. Then unscale, clip,
-    and one all-reduced flag pair [non-finite loss or gradient, stop signal] (one collective and one
-    host sync per step). A non-finite step is dropped (gradients zeroed, nothing updated) except
-    under fp16, whose GradScaler skips inf steps itself and lowers its scale; otherwise step, update
-    the scaler, and the stage's after_step (the tokenizer's dead-code reset).
+    and one all-reduced flag pair [non-finite loss or gradient, stop signal] (one collective, no
+    host sync: the caller reads the flags when it needs them, `StepResult.outcome`). A non-finite
+    step updates nothing (decided on the device, `step_unless`); under fp16 the GradScaler skips
+    inf steps itself and lowers its scale. Then the stage's after_step (the tokenizer's dead-code
+    reset, also skipped on a non-finite step).
 
     `model` is the plain module, `ddp` its DistributedDataParallel wrapper (when world > 1), `fwd`
     what the forward goes through (ddp, or torch.compile of it). The caller sets the learning rate."""
@@ -698,18 +744,18 @@ def train_step(stage, model: nn.Module, opt: torch.optim.Optimizer, scaler: torc
         samples += stage.samples(b) * d.world_size
     scaler.unscale_(opt)
     gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip if s.clip > 0 else float("inf"))
+    # torch.full, not torch.tensor: a host value copied to the GPU would wait for the queue
     flags = torch.stack([(~torch.isfinite(terms["loss"]) | ~torch.isfinite(gnorm)).float(),
-                         torch.tensor(float(_STOP["flag"]), device=device)])
-    bad, preempt = (bool(x) for x in D.all_reduce_(flags, d, op="max").tolist())
-    skipped = bad and dtype != torch.float16
-    if skipped:
-        opt.zero_grad(set_to_none=True)
-    else:
+                         torch.full((), float(_STOP["flag"]), device=device)])
+    D.all_reduce_(flags, d, op="max")  # every rank skips, and stops at, the same steps
+    if dtype == torch.float16:
         scaler.step(opt)
         scaler.update()
-        opt.zero_grad(set_to_none=True)
-        stage.after_step(model, d)
-    return StepResult(terms, gnorm, skipped, preempt, wait, samples, b)
+    else:
+        step_unless(opt, flags[0])
+    opt.zero_grad(set_to_none=True)
+    stage.after_step(model, d, flags[0] > 0)
+    return StepResult(terms, gnorm, HostCopy(flags), dtype == torch.float16, wait, samples, b)
 
 
 def wrap_ddp(model: nn.Module, cfg: Config, device: torch.device, d: D.Dist) -> nn.Module:
@@ -845,7 +891,7 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
 
     nonfinite, t_last, samples_since, wait_since = 0, time.perf_counter(), 0, 0.0
     t_start, step_start, flops_per_sample = time.perf_counter(), step, None
-    stop_reason = None
+    stop_reason, preempt, unread = None, False, []
     model.train()
     while step < total:
         # ---- one optimizer step (train_step: grad_accum micro-batches, the all-ranks finite
@@ -853,24 +899,34 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
         for g in opt.param_groups:
             g["lr"] = s.lr * lr_factor(step, total, s)
         r = train_step(stage, model, opt, scaler, next_batch, s, device, dtype, d, ddp=ddp, fwd=fwd)
-        terms, gnorm, preempt, b = r.terms, r.grad_norm, r.preempt, r.batch
+        terms, gnorm, b = r.terms, r.grad_norm, r.batch
         wait_since += r.data_wait_s
         samples_since += r.samples
-        if r.skipped:  # nothing was updated; too many in a row and the run stops here
-            nonfinite += 1
-            # numbered like every other record of this step (the counter moves on below)
-            log.scalars(step + 1, {"train/nonfinite_steps": nonfinite}, kind=f"{stage.name}/skip")
-            run.say(f"{stage.name} step {step + 1}: non-finite loss or gradient, step skipped ({nonfinite} in a row)")
+        step += 1
+        unread.append((step, r))
+
+        # ---- the outcome of the steps so far: skipped? stop signal? Read one step late (the
+        # previous step's, finished or nearly, while this one runs) so the GPU's queue never runs
+        # dry; a step that logs, validates or saves reads every outcome first, as does a stop
+        due = (step % cfg.train.log_every == 0 or step % eval_every == 0 or step % cfg.train.ckpt_every == 0
+               or step == total)
+        while unread and (due or preempt or len(unread) > 1):
+            j, rj = unread.pop(0)
+            skipped, stop = rj.outcome()
+            preempt = preempt or stop
+            if not skipped:
+                nonfinite = 0
+                continue
+            nonfinite += 1  # nothing was updated; too many in a row and the run stops here
+            log.scalars(j, {"train/nonfinite_steps": nonfinite}, kind=f"{stage.name}/skip")
+            run.say(f"{stage.name} step {j}: non-finite loss or gradient, step skipped ({nonfinite} in a row)")
             if nonfinite >= cfg.train.max_nonfinite:
                 if ckpt:
                     ckpt.close()  # first: the save in flight is part of what is on disk
                 last = ckpt.latest() if ckpt else None
-                raise WMError(f"{stage.name}: {nonfinite} non-finite steps in a row at step {step + 1}; stopped. "
+                raise WMError(f"{stage.name}: {nonfinite} non-finite steps in a row at step {j}; stopped. "
                               f"The last good checkpoint is {last or 'on rank 0'}; lower "
                               f"{stage.name}_stage.lr, check the data, or try train.amp=fp32")
-        else:
-            nonfinite = 0
-        step += 1
 
         # ---- logging
         if step % cfg.train.log_every == 0 or step == total:

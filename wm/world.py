@@ -437,7 +437,8 @@ class WorldModel(nn.Module):
     def _next_motion(self, p: Tensor, motion: Tensor, last_disp: Tensor) -> Tensor:
         s = self.cfg.motion_scale
         raw = self.motion_head(p)
-        delta = last_disp + raw * raw.new_tensor([s, s, 1.0])
+        # not raw * raw.new_tensor([s, s, 1]): a host list copied to the GPU waits for its queue
+        delta = last_disp + torch.cat([raw[..., :2] * s, raw[..., 2:]], -1)
         return compose_motion(motion, delta)
 
     # -- public API
