@@ -66,6 +66,13 @@ assert _keep_expensive(None, torch.ops.wm.causal_time_attention.default) == Chec
 
 torch.library.opcheck(_attention, (torch.randn(3, 4, 96, device=dev, requires_grad=True), 2),
                       test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+# inputs in another layout (as Inductor may lay them out): the fakes still say what the kernels write
+from wm.temporal_attention_cuda import _attention_backward
+odd = torch.randn(96, 3, 4, device=dev).permute(1, 2, 0)  # (3, 4, 96), dense, not contiguous
+torch.library.opcheck(_attention, (odd.clone().requires_grad_(), 2), test_utils=("test_faketensor",))
+torch.library.opcheck(_attention_backward, (odd, torch.randn(3, 4, 32, device=dev), torch.randn(3, 4, 2, device=dev),
+                                            torch.randn(96, 3, 4, device=dev)[:32].permute(1, 2, 0), 2),
+                      test_utils=("test_faketensor",))
 print("OK")
 """
 

@@ -1,7 +1,8 @@
 """wm.tokenizer_head_cuda (the tokenizer's head, cross-entropy and histogram Lovasz fused in two Triton
 kernels) against the torch path (Tokenizer._head, then Tokenizer.loss): the same loss terms and the same
 gradients to the decoder output and the class embedding, float32, with and without a mask, class
-weights and the Lovasz term. On CUDA with Triton the kernels run compiled; with Triton but no GPU in
+weights and the Lovasz term; torch.library's opcheck of the custom ops, and that the model with them
+traces as one graph (no graph break). On CUDA with Triton the kernels run compiled; with Triton but no GPU in
 Triton's interpreter (a subprocess with TRITON_INTERPRET=1); without Triton there is nothing to test."""
 
 from pathlib import Path
@@ -47,6 +48,26 @@ for weighted, masked, lovasz in ((False, False, 1.0), (True, False, 1.0), (False
     for k in ("dh", "dw"):
         err = float((got[k] - want[k]).abs().max() / want[k].abs().max())
         assert err < 1e-5, (case, k, err)
+
+# custom ops (schema, fake tensors, autograd registration) ...
+from wm.tokenizer_head_cuda import _head_losses
+p = 2 * 8 * 16 * 3
+torch.library.opcheck(_head_losses, (torch.randn(p, 8, device=dev, requires_grad=True),
+                                     torch.randn(classes, 8, device=dev, requires_grad=True),
+                                     torch.randint(-1, classes, (p,), device=dev, dtype=torch.int16),
+                                     torch.rand(classes, device=dev), True, True, 10),
+                      test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+torch.library.opcheck(_head_losses, (torch.randn(8, p, device=dev).t().requires_grad_(),  # (P, E), not contiguous
+                                     torch.randn(classes, 8, device=dev, requires_grad=True),
+                                     torch.randint(-1, classes, (p,), device=dev, dtype=torch.int16),
+                                     torch.rand(classes, device=dev), True, True, 10),
+                      test_utils=("test_faketensor", "test_autograd_registration"))
+# ... so the model and its fused loss trace as one graph (a graph break there cost layout copies)
+if dev == "cpu":  # the interpreter runs the kernels on CPU tensors: let the model hand them over
+    Tokenizer._fused = lambda self, h: True
+tok = Tokenizer(TokenizerConfig(widths=(8,), lovasz_impl="histogram"), classes, grid).to(dev)
+explained = torch._dynamo.explain(tok)(torch.randint(0, classes, (2, *grid), device=dev), logits=False)
+assert explained.graph_break_count == 0, explained.break_reasons
 print("OK")
 """
 

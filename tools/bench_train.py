@@ -173,6 +173,9 @@ class OnTheFlyWorld:
     def samples(self, batch: dict) -> int:
         return batch["occ"].shape[0]
 
+    def inductor_options(self) -> dict:
+        return self.ws.inductor_options()
+
     def after_step(self, model: nn.Module, d: D.Dist, skipped: torch.Tensor) -> None:
         self.ws.after_step(model, d, skipped)
 
@@ -195,7 +198,7 @@ class Runner:
         self.sampler, self.loader, self.total = p.sampler, p.loader, p.total
         T.seed_all(cfg.run.seed * 1000 + d.rank)
         self.ddp = T.wrap_ddp(self.model, cfg, device, d)
-        self.fwd = T.compiled(self.ddp, cfg)
+        self.fwd = T.compiled(self.ddp, cfg, stage.inductor_options())
         self.next_batch = T.BatchStream(self.loader, self.sampler, self.batch * d.world_size)
         self.step_no = 0
         self.model.train()

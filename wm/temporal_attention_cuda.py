@@ -154,7 +154,9 @@ def _attention_backward(qkv: Tensor, o: Tensor, lse: Tensor, do: Tensor, heads: 
 
 @_attention_backward.register_fake
 def _(qkv: Tensor, o: Tensor, lse: Tensor, do: Tensor, heads: int) -> Tensor:
-    return torch.empty_like(qkv)
+    # contiguous, as the kernel writes it: not empty_like(qkv), whose strides follow a qkv that
+    # Inductor laid out otherwise (it then read the gradient with the wrong strides)
+    return qkv.new_empty(qkv.shape)
 
 
 def _setup_context(ctx, inputs, output):

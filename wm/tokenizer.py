@@ -75,6 +75,11 @@ class TokenizerConfig:
     # channels-last (NHWC) activations and conv weights: what cuDNN's bf16 convolutions run on, so no
     # NCHW <-> NHWC copies around each conv (BENCHMARKS.md, issue 15); the same function either way
     channels_last: bool = False  # keep activations and conv weights channels-last (NHWC) in memory
+    # under train.compile: Inductor's layout optimisation, forced on. It lays the activations it writes
+    # out channels-last for cuDNN, but its heuristic turns itself off for any model with a convolution
+    # that halves the channels (every U-Net decoder), so each conv's backward copied its inputs to NHWC
+    # (+11 % compiled on an H200, BENCHMARKS.md, issue 15; better than channels_last above)
+    compile_channels_last: bool = True  # with train.compile: Inductor lays conv activations out NHWC
     vq_weight: float = 1.0  # weight of the vector-quantizer loss
     dead_code_steps: int = 100  # reset codes unused for this many training forwards; 0 = never
     checkpoint_every: int = 0  # activation checkpointing: 0 off, 1 every block, k every k-th block

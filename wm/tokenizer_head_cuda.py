@@ -131,65 +131,98 @@ def _layout(num_points: int, weight: Tensor):
     return c, e, triton.next_power_of_2(c), triton.next_power_of_2(e), (triton.cdiv(num_points, BLOCK * TILES),)
 
 
-class _HeadLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, labels: Tensor, class_w: Tensor, lovasz: bool,
-                present_only: bool, bits: int):
-        from wm.lovasz import bin_layout, class_weights, gradient_table
+@torch.library.custom_op("wm::head_losses", mutates_args=())
+def _head_losses(h: Tensor, weight: Tensor, labels: Tensor, class_w: Tensor, lovasz: bool, present_only: bool,
+                 bits: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> (cross-entropy, Lovasz, the (C*bins*2,) Lovasz gradient table, counted voxels): the last two
+    are for the backward pass. A custom op, so torch.compile keeps the model and its loss in one
+    graph (a graph break here made Inductor hand the decoder output and its gradient across)."""
+    from wm.lovasz import bin_layout, class_weights, gradient_table
 
-        num_points = labels.numel()
-        c, e, cp, ep, grid = _layout(num_points, weight)
-        shift, bins = bin_layout(bits)
-        dev = h.device
-        ce_part = torch.empty(grid[0], device=dev, dtype=torch.float32)
-        size = c * bins * 2 if lovasz else 1
-        hist = torch.zeros(size, device=dev, dtype=torch.int32)
-        esum = torch.zeros(size, device=dev, dtype=torch.int64)
-        _head_loss_forward[grid](h, weight, labels, class_w, hist, esum, ce_part, num_points, c, e, cp, ep, bins,
-                              shift, lovasz, BLOCK, TILES, num_warps=WARPS)
-        if lovasz:
-            hist = hist.view(c, bins, 2)
-            counts = hist[..., 1].sum(1)  # foreground voxels per class (the counted ones only)
-            voxels = counts.sum()
-            table = gradient_table(hist, counts, class_weights(counts, present_only, torch.float32),
-                                   torch.float64)
-            lov = (esum.view(c, bins, 2).double() * table).sum().div_(FIXED).float()
-            table = table.float().contiguous()
-        else:
-            voxels = (labels >= 0).sum()
-            table, lov = hist.new_zeros((1,), dtype=torch.float32), ce_part.new_zeros(())
-        voxels = voxels.clamp_min(1).float()
-        ce = ce_part.sum() / voxels
-        ctx.save_for_backward(h, weight, labels, class_w, table, voxels)
-        ctx.lovasz, ctx.bins, ctx.shift = lovasz, bins, shift
-        return ce, lov
-
-    @staticmethod
-    def backward(ctx, d_ce: Tensor | None, d_lov: Tensor | None):
-        h, weight, labels, class_w, table, voxels = ctx.saved_tensors
-        num_points = labels.numel()
-        c, e, cp, ep, grid = _layout(num_points, weight)
-        zero = voxels.new_zeros(())
-        scale = torch.stack([(zero if d_ce is None else d_ce.float()) / voxels,
-                             zero if d_lov is None else d_lov.float()]).contiguous()
-        dh = torch.empty_like(h)
-        dw = torch.empty(grid[0], c, e, device=h.device, dtype=torch.float32)
-        _head_loss_backward[grid](h, weight, labels, class_w, table, scale, dh, dw, num_points, c, e, cp, ep,
-                               ctx.bins, ctx.shift, ctx.lovasz, BLOCK, TILES, num_warps=WARPS)
-        return dh, dw.sum(0).to(weight.dtype), None, None, None, None, None
+    h, weight, labels, class_w = h.contiguous(), weight.contiguous(), labels.contiguous(), class_w.contiguous()
+    num_points = labels.numel()
+    c, e, cp, ep, grid = _layout(num_points, weight)
+    shift, bins = bin_layout(bits)
+    dev = h.device
+    ce_part = torch.empty(grid[0], device=dev, dtype=torch.float32)
+    size = c * bins * 2 if lovasz else 1
+    hist = torch.zeros(size, device=dev, dtype=torch.int32)
+    esum = torch.zeros(size, device=dev, dtype=torch.int64)
+    _head_loss_forward[grid](h, weight, labels, class_w, hist, esum, ce_part, num_points, c, e, cp, ep, bins,
+                             shift, lovasz, BLOCK, TILES, num_warps=WARPS)
+    if lovasz:
+        hist = hist.view(c, bins, 2)
+        counts = hist[..., 1].sum(1)  # foreground voxels per class (the counted ones only)
+        voxels = counts.sum()
+        table = gradient_table(hist, counts, class_weights(counts, present_only, torch.float32), torch.float64)
+        lov = (esum.view(c, bins, 2).double() * table).sum().div_(FIXED).float()
+        table = table.float().reshape(-1)
+    else:
+        voxels = (labels >= 0).sum()
+        table, lov = hist.new_zeros((1,), dtype=torch.float32), ce_part.new_zeros(())
+    voxels = voxels.clamp_min(1).float()
+    return ce_part.sum() / voxels, lov, table, voxels
 
 
-@torch.compiler.disable  # Triton launches and small float64 tables: nothing for Inductor to fuse
+@_head_losses.register_fake
+def _(h, weight, labels, class_w, lovasz, present_only, bits):
+    from wm.lovasz import bin_layout
+
+    size = weight.shape[0] * bin_layout(bits)[1] * 2 if lovasz else 1
+    scalar = h.new_empty((), dtype=torch.float32)
+    return scalar, scalar.clone(), h.new_empty(size, dtype=torch.float32), scalar.clone()
+
+
+@torch.library.custom_op("wm::head_losses_backward", mutates_args=())
+def _head_losses_backward(h: Tensor, weight: Tensor, labels: Tensor, class_w: Tensor, table: Tensor,
+                          scale: Tensor, lovasz: bool, bits: int) -> tuple[Tensor, Tensor]:
+    """scale: [d loss / d ce over the counted voxels, d loss / d lovasz] -> (d h, d weight)."""
+    from wm.lovasz import bin_layout
+
+    h, weight, labels, class_w = h.contiguous(), weight.contiguous(), labels.contiguous(), class_w.contiguous()
+    num_points = labels.numel()
+    c, e, cp, ep, grid = _layout(num_points, weight)
+    shift, bins = bin_layout(bits)
+    dh = torch.empty_like(h)
+    dw = torch.empty(grid[0], c, e, device=h.device, dtype=torch.float32)
+    _head_loss_backward[grid](h, weight, labels, class_w, table.contiguous(), scale.contiguous(), dh, dw,
+                              num_points, c, e, cp, ep, bins, shift, lovasz, BLOCK, TILES, num_warps=WARPS)
+    return dh, dw.sum(0).to(weight.dtype)
+
+
+@_head_losses_backward.register_fake
+def _(h, weight, labels, class_w, table, scale, lovasz, bits):
+    return h.new_empty(h.shape), torch.empty_like(weight, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    h, weight, labels, class_w, lovasz, _present_only, bits = inputs
+    _ce, _lov, table, voxels = output
+    ctx.save_for_backward(h, weight, labels, class_w, table, voxels)
+    ctx.lovasz, ctx.bits = lovasz, bits
+
+
+def _backward(ctx, d_ce: Tensor | None, d_lov: Tensor | None, _d_table, _d_voxels):
+    h, weight, labels, class_w, table, voxels = ctx.saved_tensors
+    zero = voxels.new_zeros(())
+    scale = torch.stack([(zero if d_ce is None else d_ce.float()) / voxels, zero if d_lov is None else d_lov.float()])
+    dh, dw = _head_losses_backward(h, weight, labels, class_w, table, scale, ctx.lovasz, ctx.bits)
+    return dh, dw, None, None, None, None, None
+
+
+_head_losses.register_autograd(_backward, setup_context=_setup_context)
+
+
 def head_losses(h: Tensor, weight: Tensor, labels: Tensor, class_w: Tensor, lovasz: bool,
                 present_only: bool, bits: int) -> tuple[Tensor, Tensor]:
     """h (P, E) the decoder output of P voxels (float32 or bfloat16), weight (C, E) the class
     embedding, labels (P,) int16 class ids (-1: not counted), class_w (C,) float32 cross-entropy class
     weights -> (cross-entropy, Lovasz-softmax (histogram; 0 when not `lovasz`)), both float32 scalars
     with gradients to h and weight: the cross-entropy is sum(class_w[y] * -log p_y) over the counted
-    voxels divided by their number, as Tokenizer.loss."""
+    voxels divided by their number, as Tokenizer.loss. The kernels choose their own precision
+    (autocast does not reach a custom op)."""
     if h.dim() != 2 or labels.shape != h.shape[:1] or weight.shape[1] != h.shape[1]:
         raise ValueError(f"head_losses: h (P, E), labels (P,), weight (C, E), got {tuple(h.shape)}, "
                          f"{tuple(labels.shape)}, {tuple(weight.shape)}")
-    with torch.autocast(h.device.type, enabled=False):  # the kernels choose their own precision
-        return _HeadLoss.apply(h.contiguous(), weight.contiguous(), labels.contiguous(),
-                               class_w.float().contiguous(), lovasz, present_only, bits)
+    ce, lov, _table, _voxels = _head_losses(h, weight, labels, class_w.float(), lovasz, present_only, bits)
+    return ce, lov

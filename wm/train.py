@@ -314,7 +314,7 @@ RESUME_MAY_CHANGE = {
               "peak_tflops", "max_nonfinite", "compile", "compile_mode"),
     "synthetic": ("cache_dir",),
     # the same functions by other kernels or layouts (float rounding apart): a run may switch them on resume
-    "tokenizer": ("fused_head", "channels_last"),
+    "tokenizer": ("fused_head", "channels_last", "compile_channels_last"),
     "world": ("fused_attention",),
 }
 
@@ -407,6 +407,10 @@ class TokenizerStage:
             run.say("tokenizer: class weights " + ", ".join(
                 f"{n} {float(v):.1f}" for n, v in zip(self.class_names, w) if float(v) > 1.05))
 
+    def inductor_options(self) -> dict:
+        """torch.compile settings of this stage's model (tokenizer.compile_channels_last)."""
+        return {"force_layout_optimization": True} if self.cfg.tokenizer.compile_channels_last else {}
+
     def loss(self, model: nn.Module, batch: dict) -> dict:
         # the mask is in the batch only with data.use_mask (stage_data)
         # no logits: training reads only the losses (on CUDA the fused head then never writes them)
@@ -481,6 +485,12 @@ class WorldStage:
 
     def samples(self, batch: dict) -> int:
         return batch["codes"].shape[0]
+
+    def inductor_options(self) -> dict:
+        """torch.compile settings of this stage's model: Inductor's own. (Its layout optimisation
+        forced on, as the tokenizer's, ended the compiled occworld step in an illegal memory access
+        on an H200; issue 15.)"""
+        return {}
 
     def after_step(self, model: nn.Module, d: D.Dist, skipped: torch.Tensor) -> None:
         pass
@@ -789,10 +799,18 @@ class StageParts:
     total: int  # optimizer steps of the whole stage
 
 
-def compiled(ddp: nn.Module, cfg: Config) -> nn.Module:
+def compiled(ddp: nn.Module, cfg: Config, inductor: Optional[dict] = None) -> nn.Module:
     """What the training forward goes through: the (DDP-wrapped) model, torch.compile'd when
-    train.compile, in train.compile_mode."""
-    return torch.compile(ddp, mode=cfg.train.compile_mode) if cfg.train.compile else ddp
+    train.compile, in train.compile_mode, with the stage's Inductor settings (`inductor`, the
+    stage's `inductor_options()`; they hold for this model's compilation only)."""
+    if not cfg.train.compile:
+        return ddp
+    if not inductor:
+        return torch.compile(ddp, mode=cfg.train.compile_mode)
+    # torch.compile takes a mode or options, not both: a mode is a set of options
+    from torch._inductor import list_mode_options
+
+    return torch.compile(ddp, options={**list_mode_options(cfg.train.compile_mode), **inductor})
 
 
 def stage_parts(stage, cfg: Config, d: D.Dist, device: torch.device, dtype) -> StageParts:
@@ -873,7 +891,7 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
                 f"({batch_words(cfg, stage.name, d.world_size)})")
 
     ddp = wrap_ddp(model, cfg, device, d)
-    fwd = compiled(ddp, cfg)
+    fwd = compiled(ddp, cfg, stage.inductor_options())
 
     def save(metrics: Optional[dict] = None) -> None:
         rng = D.gather_objects(rng_state(), d)  # every rank reaches this collective
