@@ -926,9 +926,9 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
         # ---- the outcome of the steps so far: skipped? stop signal? Read one step late (the
         # previous step's, finished or nearly, while this one runs) so the GPU's queue never runs
         # dry; a step that logs, validates or saves reads every outcome first, as does a stop
-        due = (step % cfg.train.log_every == 0 or step % eval_every == 0 or step % cfg.train.ckpt_every == 0
-               or step == total)
-        while unread and (due or preempt or len(unread) > 1):
+        log_now, eval_now = step % cfg.train.log_every == 0 or step == total, step % eval_every == 0 or step == total
+        save_now = step % cfg.train.ckpt_every == 0 or step == total
+        while unread and (log_now or eval_now or save_now or preempt or len(unread) > 1):
             j, rj = unread.pop(0)
             skipped, stop = rj.outcome()
             preempt = preempt or stop
@@ -947,7 +947,7 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
                               f"{stage.name}_stage.lr, check the data, or try train.amp=fp32")
 
         # ---- logging
-        if step % cfg.train.log_every == 0 or step == total:
+        if log_now:
             dt = time.perf_counter() - t_last
             vals = D.mean_scalars({k: float(v) for k, v in terms.items()}, d)
             rec = {f"loss/{k}" if k in ("loss", "ce", "lovasz", "vq", "motion_l2") else f"train/{k}": v
@@ -974,7 +974,7 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
 
         # ---- validation, best checkpoint, early stop
         evaluated = False
-        if step % eval_every == 0 or step == total:
+        if eval_now:
             model.eval()
             t_eval = time.perf_counter()
             last_val, pics = stage.evaluate(model, d, dtype, device)
@@ -998,7 +998,7 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
         # ---- checkpoint, preemption
         if preempt and not stop_reason:
             stop_reason = "preempted (SIGTERM/SIGINT)"
-        if evaluated or step % cfg.train.ckpt_every == 0 or step == total or stop_reason:
+        if evaluated or save_now or stop_reason:
             save(last_val if evaluated else None)
         if flops_per_sample is None:  # once per process, after the first step
             flops_per_sample = count_flops(stage, model, b, device, dtype) \
