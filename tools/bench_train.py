@@ -11,8 +11,8 @@ Every variant times `wm.train.train_step`, the body of train.py's loop (grad_acc
 DDP no_sync, autocast, GradScaler, clipping, the all-reduced finite check, AdamW, after_step), fed
 by the same sampler, DataLoader and BatchStream as `fit`, after `--warmup` steps. Reported per
 variant: step time (ms; the timed span ends with a CUDA synchronize; the median step from CUDA
-events between step starts, since the host, as in `fit`, runs a step ahead of the GPU), samples/s (all ranks; the
-tokenizer's samples are frames), TFLOP/s and MFU (FLOPs of one step counted with
+events between step starts, since the host, as in `fit`, runs a step ahead of the GPU), samples/s
+(all ranks; the tokenizer's samples are frames), TFLOP/s and MFU (FLOPs of one step counted with
 torch.utils.flop_counter through wm.train.count_flops, over the bf16 matrix-product peak this script
 measures on the same card in the same run with a big matmul; fp32 variants also against the
 fp32 peak as train.py runs it, i.e. with TF32; on a CPU the fp32 peak), max allocated memory (GiB,
@@ -363,8 +363,9 @@ class Bench:
                   if not self.cuda or (e.device_type.name == "CUDA" and not e.key.startswith("cuda"))]
         rows = sorted(((e.key, getattr(e, attr, 0) or 0, e.count) for e in events), key=lambda r: -r[1])
         busy = sum(r[1] for r in rows) if self.cuda else None
-        kinds = {"gemm/conv": r"gemm|conv|cutlass|xmma|sm\d+_|wgrad|dgrad|implicit|cudnn|nvjet",
-                 "attention": r"flash|fmha|attention|sdpa|efficient",
+        # first match wins: attention before gemm/conv, whose "cudnn" would take cuDNN's SDPA kernels
+        kinds = {"attention": r"flash|fmha|attention|sdpa|efficient",
+                 "gemm/conv": r"gemm|conv|cutlass|xmma|sm\d+_|wgrad|dgrad|implicit|cudnn|nvjet",
                  "fused head/losses": r"head_loss|lovasz|histogram_kernel|gradient_kernel",
                  "norm": r"norm|welford", "optimizer": r"adam|foreach|multi_tensor",
                  "copy/cast": r"copy|cast|convert|memcpy|memset|fill|cat|index"}

@@ -78,7 +78,7 @@ class TokenizerConfig:
     # under train.compile: Inductor's layout optimisation, forced on. It lays the activations it writes
     # out channels-last for cuDNN, but its heuristic turns itself off for any model with a convolution
     # that halves the channels (every U-Net decoder), so each conv's backward copied its inputs to NHWC
-    # (+11 % compiled on an H200, BENCHMARKS.md, issue 15; better than channels_last above)
+    # (307 -> 367 frames/s compiled on an H200, BENCHMARKS.md, issue 15; more than channels_last above)
     compile_channels_last: bool = True  # with train.compile: Inductor lays conv activations out NHWC
     vq_weight: float = 1.0  # weight of the vector-quantizer loss
     dead_code_steps: int = 100  # reset codes unused for this many training forwards; 0 = never
