@@ -289,7 +289,8 @@ class Bench:
                 if prev is not None:  # as fit reads them: the previous step's, once this one is queued
                     skipped += prev.outcome()[0]
                 prev = r
-                per_step.append(time.perf_counter() - ts)
+                if not self.cuda:  # a CPU runs the step synchronously: host times are step times
+                    per_step.append(time.perf_counter() - ts)
                 wait += r.data_wait_s
                 samples += r.samples
             if self.cuda:
