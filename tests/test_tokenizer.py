@@ -343,8 +343,8 @@ def test_class_weighted_ce_by_hand_and_power_0_is_plain_ce():
 
 def test_class_embedding_keeps_labels_only_and_has_the_lookups_gradient():
     """The training path's class embedding (_ClassEmbed): the rows of F.embedding, the same weight
-    gradient (a one-hot matmul instead of the sort-based embedding backward), and it saves only the
-    uint8 labels for backward (no (P, C) one-hot matrix kept from the forward pass)."""
+    gradient (not the sort-based embedding backward), and it saves only the uint8 labels for backward
+    (no (P, C) one-hot matrix kept from the forward pass)."""
     import wm.tokenizer as tk
 
     torch.manual_seed(0)
@@ -395,3 +395,35 @@ def test_forward_without_logits():
     assert "logits" in full and "logits" not in lean
     for k in ("loss", "ce", "lovasz", "vq"):
         assert torch.equal(full[k], lean[k]), k
+
+
+def test_compiled_upsample_is_the_same_function():
+    """Under torch.compile in training, Upsample broadcasts instead of interpolating (Inductor turns
+    interpolate's backward into atomic adds): the traced graph holds the broadcast, with the same
+    values and gradients as eager (a recording backend, then aot_eager: no Inductor code generation,
+    seconds on a CPU)."""
+    from wm.tokenizer import Upsample
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    torch.manual_seed(0)
+    up = Upsample(3)
+    x = torch.randn(2, 3, 5, 4, requires_grad=True)
+    dy = torch.randn(2, 3, 10, 8)
+    outs = []
+    for fn in (up, torch.compile(up, backend=record, fullgraph=True), torch.compile(up, backend="aot_eager")):
+        x.grad = None
+        y = fn(x)
+        y.backward(dy)
+        outs.append((y.detach(), x.grad.clone()))
+    assert "interpolate" not in graphs[0] and "expand" in graphs[0], graphs[0]
+    for y, g in outs[1:]:
+        assert torch.equal(y, outs[0][0])
+        assert torch.allclose(g, outs[0][1], rtol=1e-5, atol=1e-6)
+    up.eval()  # inference and export keep interpolate
+    torch.compile(up, backend=record, fullgraph=True)(x)
+    assert "interpolate" in graphs[-1], graphs[-1]

@@ -735,11 +735,16 @@ def test_auto_precision_is_bf16_on_cuda_and_on_cpus_with_amx(monkeypatch):
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"])
 def test_compiled_passes_the_stage_inductor_options_with_the_mode(mode, monkeypatch):
     # torch.compile refuses a mode and options together: the mode's own options go in with the
-    # stage's (the tokenizer's forced layout optimisation), and torch accepts the names
+    # stage's (the tokenizer's forced layout optimisation and kernel tuning), and torch accepts the names
+    from types import SimpleNamespace
+
     cfg = Config()
     cfg.train.compile, cfg.train.compile_mode = True, mode
     model = torch.nn.Linear(2, 2)
-    opts = {"force_layout_optimization": True}
+    opts = T.TokenizerStage.inductor_options(SimpleNamespace(cfg=cfg))
+    assert opts == {"force_layout_optimization": True, "coordinate_descent_tuning": True}
+    cfg.tokenizer.compile_tuning = cfg.tokenizer.compile_channels_last = False
+    assert T.TokenizerStage.inductor_options(SimpleNamespace(cfg=cfg)) == {}
     T.compiled(model, cfg, opts)  # the real torch.compile checks the option names (it compiles on first call)
     seen = []
     monkeypatch.setattr(torch, "compile", lambda m, **kw: seen.append(kw) or m)
@@ -750,4 +755,4 @@ def test_compiled_passes_the_stage_inductor_options_with_the_mode(mode, monkeypa
     want = {"default": {}, "reduce-overhead": {"triton.cudagraphs": True},
             "max-autotune-no-cudagraphs": {"max_autotune": True, "coordinate_descent_tuning": True},
             "max-autotune": {"max_autotune": True, "triton.cudagraphs": True, "coordinate_descent_tuning": True}}[mode]
-    assert seen == [{"options": {**want, "force_layout_optimization": True}}, {"mode": mode}], seen
+    assert seen == [{"options": {**want, **opts}}, {"mode": mode}], seen

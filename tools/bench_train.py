@@ -380,6 +380,8 @@ class Bench:
                 "device_busy_ms_per_step": busy / 1e3 / steps if busy else None,
                 "top": [{"kernel": k[:120], "ms_per_step": t / 1e3 / steps, "calls_per_step": c / steps}
                         for k, t, c in rows[:top]],
+                "kernels": [{"kernel": k[:240], "ms_per_step": t / 1e3 / steps, "calls_per_step": c / steps}
+                            for k, t, c in rows],  # all of them, for the JSON
                 "split_ms_per_step": {k: v / 1e3 / steps for k, v in sorted(split.items(), key=lambda x: -x[1])}}
 
     def attempt(self, stage: str, name: str, cfg, onthefly: bool = False) -> dict:

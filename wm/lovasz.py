@@ -27,6 +27,8 @@ batch, keep counts as exact integers, and save one (P, C) gradient for backward.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -142,6 +144,17 @@ def bin_layout(bits: int) -> tuple[int, int]:
     (exponent and the top `bits` mantissa bits; ascending in e)."""
     shift = 23 - bits
     return shift, (0x3F800000 >> shift) + 1  # float32 1.0's bits, shifted
+
+
+@functools.lru_cache(maxsize=8)
+def bin_centers(bits: int, device: torch.device) -> Tensor:
+    """(bins,) float64: the centre of each bin's error range (bin_layout). The top bin holds only
+    1.0 (errors never exceed it), bin 0 the subnormal errors (centre ~1e-38)."""
+    shift, bins = bin_layout(bits)
+    edges = (torch.arange(bins + 1, dtype=torch.int32) << shift).view(torch.float32).double()
+    centers = (edges[:-1] + edges[1:]) / 2
+    centers[-1] = 1.0
+    return centers.to(device)
 
 
 def gradient_table(hist: Tensor, counts: Tensor, weight: Tensor, dtype) -> Tensor:

@@ -80,6 +80,10 @@ class TokenizerConfig:
     # that halves the channels (every U-Net decoder), so each conv's backward copied its inputs to NHWC
     # (307 -> 367 frames/s compiled on an H200, BENCHMARKS.md, issue 15; more than channels_last above)
     compile_channels_last: bool = True  # with train.compile: Inductor lays conv activations out NHWC
+    # under train.compile: Inductor's coordinate-descent tuning of the block sizes of the kernels it
+    # writes (norms, activations): 399 -> 411 frames/s on an H200 (BENCHMARKS.md, issue 15), for about
+    # 3 more minutes of compilation at the start of a run
+    compile_tuning: bool = True  # with train.compile: Inductor tunes its kernels' block sizes
     vq_weight: float = 1.0  # weight of the vector-quantizer loss
     dead_code_steps: int = 100  # reset codes unused for this many training forwards; 0 = never
     checkpoint_every: int = 0  # activation checkpointing: 0 off, 1 every block, k every k-th block
@@ -218,7 +222,16 @@ class Upsample(nn.Module):
         self.conv = nn.Conv2d(c, c, 3, 1, 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+        if self.training and torch.compiler.is_compiling():
+            # the same values as a broadcast: Inductor lowers interpolate's backward to float atomic adds
+            # into the input's gradient (3.1 ms per step of 32 frames at 200x200, H200); a broadcast's
+            # backward is a plain sum over the copies. Eager (and export) keep interpolate, whose
+            # backward kernel in ATen sums without atomics.
+            n, c, h, w = x.shape
+            x = x[:, :, :, None, :, None].expand(n, c, h, 2, w, 2).reshape(n, c, 2 * h, 2 * w)
+        else:
+            x = F.interpolate(x, scale_factor=2.0, mode="nearest")
+        return self.conv(x)
 
 
 # ------------------------------------------------------------------------------------------ checkpointing
@@ -393,10 +406,11 @@ def masked_cross_entropy(logits: Tensor, target: Tensor, mask: Tensor, weight: T
 
 class _ClassEmbed(torch.autograd.Function):
     """The class embedding's rows for every voxel, w[occ] in `dtype`, keeping only the uint8 labels
-    for the backward pass. An embedding backward sorts all N*X*Y*Z indices (20 M per 32 frames at
-    200x200x16: 20 ms on an H200); here the weight's gradient is one (C, P) x (P, E) one-hot matmul
-    (7.3 ms), and the one-hot matrix (P x C, 0.7 GiB in bf16 at that size) is built in the backward
-    pass instead of being kept from the forward pass as a matmul input would be."""
+    for the backward pass. torch's embedding backward on CUDA sorts all N*X*Y*Z indices first (20 M
+    per 32 frames at 200x200x16: 20 ms on an H200); here the weight's gradient is the sum of the
+    output gradients per class: on CUDA wm.embedding_grad_cuda's kernel (one-hot tiles in registers,
+    0.49 ms on an H200, against 4.2 ms for the one-hot matmul in torch, which writes the (P, C)
+    matrix first), elsewhere an index_add_ in float32."""
 
     @staticmethod
     def forward(ctx, occ: Tensor, w: Tensor, dtype: torch.dtype) -> Tensor:
@@ -407,9 +421,24 @@ class _ClassEmbed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh: Tensor):
         (occ,) = ctx.saved_tensors
-        onehot = occ.reshape(-1, 1) == torch.arange(ctx.classes, device=occ.device)  # (P, C) bool
-        dw = onehot.to(dh.dtype).t() @ dh.reshape(onehot.shape[0], -1)
+        dh = dh.reshape(occ.numel(), -1)
+        if dh.is_cuda and _triton():
+            from wm.embedding_grad_cuda import embedding_grad
+
+            dw = embedding_grad(occ.reshape(-1), dh, ctx.classes)
+        else:
+            dw = dh.new_zeros((ctx.classes, dh.shape[1]), dtype=torch.float32).index_add_(
+                0, occ.reshape(-1).long(), dh.float())
         return None, dw.to(ctx.wdtype), None
+
+
+def _triton() -> bool:
+    """Whether wm's Triton kernels can run (CUDA builds of torch ship Triton)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -549,13 +578,8 @@ class Tokenizer(nn.Module):
     def _fused(self, h: Tensor) -> bool:
         """Whether forward scores `h` with wm.tokenizer_head_cuda (see TokenizerConfig.fused_head)."""
         cfg = self.cfg
-        if not (cfg.fused_head and h.is_cuda and (cfg.lovasz_impl == "histogram" or cfg.lovasz_weight == 0)):
-            return False
-        try:
-            import wm.tokenizer_head_cuda  # noqa: F401  (needs Triton, which CUDA builds of torch ship)
-        except ImportError:
-            return False
-        return True
+        return cfg.fused_head and h.is_cuda and (cfg.lovasz_impl == "histogram" or cfg.lovasz_weight == 0) \
+            and _triton()
 
     def set_class_frequencies(self, counts) -> Tensor:
         """Set the CE class weights from per-class voxel counts of the training data (see

@@ -10,10 +10,13 @@ tiles of voxels, computes their C logits in registers (an E-long dot product per
 
 - forward (`_head_loss_forward`): the cross-entropy of each voxel (summed per program) and, for the
   histogram Lovasz (wm.lovasz, impl "histogram"), adds each (class, error bin, foreground?) to the
-  (C, bins, 2) count histogram and its error to the same slot of an error-sum table (fixed point,
-  2**-32, in int64: exact, so the loss is the same number on every run);
+  (C, bins, 2) count histogram: one int32 atomic add per voxel and class, most of the kernel's cost
+  (an int64 error sum per slot beside it doubled the atomics; without it the op's forward at 32 frames
+  of 200x200x16 went from 11.8 to 8.9 ms on an H200, BENCHMARKS.md, issue 15);
 - (torch, on the small tables) wm.lovasz.gradient_table gives each slot's Lovasz gradient; the loss
-  is sum(error sums x gradients), the same sum as the torch path's sum_i e_i g_i;
+  is sum(counts x bin centres x gradients): the torch path's sum_i e_i g_i with each error at the
+  centre of its bin. A bin spans a factor 1 + 2**-10 and every g_i >= 0, so the two differ by at
+  most 2**-11 of the loss (tested); the gradient (from the counts alone) is the same;
 - backward (`_head_loss_backward`): recomputes the tile's logits and softmax, looks each point's Lovasz
   gradient up in the table, goes back through the softmax and the cross-entropy to d loss / d logits,
   and from there to d h (written in h's dtype) and to d class-embedding (one partial per program,
@@ -37,7 +40,6 @@ from wm.lovasz_cuda import error_keys
 BLOCK = 128  # voxels per tile
 TILES = 8  # tiles per program (one partial sum per program)
 WARPS = 4  # warps per program
-FIXED = 2.0 ** 32  # error sums in fixed point: an error in [0, 1] is an integer count of 2**-32
 
 
 @triton.jit
@@ -68,7 +70,7 @@ def _tile(h_ptr, lab_ptr, w_ptr, v0, P, C: tl.constexpr, E: tl.constexpr, CP: tl
 
 
 @triton.jit
-def _head_loss_forward(h_ptr, w_ptr, lab_ptr, cw_ptr, hist_ptr, esum_ptr, ce_ptr, P,
+def _head_loss_forward(h_ptr, w_ptr, lab_ptr, cw_ptr, hist_ptr, ce_ptr, P,
                     C: tl.constexpr, E: tl.constexpr, CP: tl.constexpr, EP: tl.constexpr,
                     BINS: tl.constexpr, SHIFT: tl.constexpr, LOVASZ: tl.constexpr,
                     BLOCK: tl.constexpr, TILES: tl.constexpr):
@@ -86,7 +88,6 @@ def _head_loss_forward(h_ptr, w_ptr, lab_ptr, cw_ptr, hist_ptr, esum_ptr, ce_ptr
             diff, err, key = error_keys(p, fg, cols, BINS, SHIFT)
             m = valid[:, None] & (cols[None, :] < C)
             tl.atomic_add(hist_ptr + key, tl.full(key.shape, 1, tl.int32), mask=m, sem="relaxed")
-            tl.atomic_add(esum_ptr + key, (err * 4294967296.0).to(tl.int64), mask=m, sem="relaxed")
     tl.store(ce_ptr + pid, tl.sum(ce, 0))
 
 
@@ -137,7 +138,7 @@ def _head_losses(h: Tensor, weight: Tensor, labels: Tensor, class_w: Tensor, lov
     """-> (cross-entropy, Lovasz, the (C*bins*2,) Lovasz gradient table, counted voxels): the last two
     are for the backward pass. A custom op, so torch.compile keeps the model and its loss in one
     graph (a graph break here made Inductor hand the decoder output and its gradient across)."""
-    from wm.lovasz import bin_layout, class_weights, gradient_table
+    from wm.lovasz import bin_centers, bin_layout, class_weights, gradient_table
 
     h, weight, labels, class_w = h.contiguous(), weight.contiguous(), labels.contiguous(), class_w.contiguous()
     num_points = labels.numel()
@@ -147,15 +148,14 @@ def _head_losses(h: Tensor, weight: Tensor, labels: Tensor, class_w: Tensor, lov
     ce_part = torch.empty(grid[0], device=dev, dtype=torch.float32)
     size = c * bins * 2 if lovasz else 1
     hist = torch.zeros(size, device=dev, dtype=torch.int32)
-    esum = torch.zeros(size, device=dev, dtype=torch.int64)
-    _head_loss_forward[grid](h, weight, labels, class_w, hist, esum, ce_part, num_points, c, e, cp, ep, bins,
+    _head_loss_forward[grid](h, weight, labels, class_w, hist, ce_part, num_points, c, e, cp, ep, bins,
                              shift, lovasz, BLOCK, TILES, num_warps=WARPS)
     if lovasz:
         hist = hist.view(c, bins, 2)
         counts = hist[..., 1].sum(1)  # foreground voxels per class (the counted ones only)
         voxels = counts.sum()
         table = gradient_table(hist, counts, class_weights(counts, present_only, torch.float32), torch.float64)
-        lov = (esum.view(c, bins, 2).double() * table).sum().div_(FIXED).float()
+        lov = (hist.double() * bin_centers(bits, dev)[:, None] * table).sum().float()
         table = table.float().reshape(-1)
     else:
         voxels = (labels >= 0).sum()

@@ -314,7 +314,7 @@ RESUME_MAY_CHANGE = {
               "peak_tflops", "max_nonfinite", "compile", "compile_mode"),
     "synthetic": ("cache_dir",),
     # the same functions by other kernels or layouts (float rounding apart): a run may switch them on resume
-    "tokenizer": ("fused_head", "channels_last", "compile_channels_last"),
+    "tokenizer": ("fused_head", "channels_last", "compile_channels_last", "compile_tuning"),
     "world": ("fused_attention",),
 }
 
@@ -408,8 +408,10 @@ class TokenizerStage:
                 f"{n} {float(v):.1f}" for n, v in zip(self.class_names, w) if float(v) > 1.05))
 
     def inductor_options(self) -> dict:
-        """torch.compile settings of this stage's model (tokenizer.compile_channels_last)."""
-        return {"force_layout_optimization": True} if self.cfg.tokenizer.compile_channels_last else {}
+        """torch.compile settings of this stage's model (tokenizer.compile_channels_last, compile_tuning)."""
+        t = self.cfg.tokenizer
+        return {**({"force_layout_optimization": True} if t.compile_channels_last else {}),
+                **({"coordinate_descent_tuning": True} if t.compile_tuning else {})}
 
     def loss(self, model: nn.Module, batch: dict) -> dict:
         # the mask is in the batch only with data.use_mask (stage_data)
