@@ -35,7 +35,12 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from wm.errors import ConfigError, DataError
 from wm.lovasz import IMPLS as LOVASZ_IMPLS
-from wm.lovasz import lovasz_softmax
+from wm.lovasz import HIST_BITS, lovasz_softmax
+
+try:  # Triton ships with CUDA builds of torch; without it the tokenizer takes its torch paths
+    from wm import embedding_grad_cuda, tokenizer_head_cuda
+except ImportError:
+    embedding_grad_cuda = tokenizer_head_cuda = None
 
 __all__ = [
     "TokenizerConfig",
@@ -422,23 +427,12 @@ class _ClassEmbed(torch.autograd.Function):
     def backward(ctx, dh: Tensor):
         (occ,) = ctx.saved_tensors
         dh = dh.reshape(occ.numel(), -1)
-        if dh.is_cuda and _triton():
-            from wm.embedding_grad_cuda import embedding_grad
-
-            dw = embedding_grad(occ.reshape(-1), dh, ctx.classes)
+        if dh.is_cuda and embedding_grad_cuda is not None:
+            dw = embedding_grad_cuda.embedding_grad(occ.reshape(-1), dh, ctx.classes)
         else:
             dw = dh.new_zeros((ctx.classes, dh.shape[1]), dtype=torch.float32).index_add_(
                 0, occ.reshape(-1).long(), dh.float())
         return None, dw.to(ctx.wdtype), None
-
-
-def _triton() -> bool:
-    """Whether wm's Triton kernels can run (CUDA builds of torch ship Triton)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -579,7 +573,7 @@ class Tokenizer(nn.Module):
         """Whether forward scores `h` with wm.tokenizer_head_cuda (see TokenizerConfig.fused_head)."""
         cfg = self.cfg
         return cfg.fused_head and h.is_cuda and (cfg.lovasz_impl == "histogram" or cfg.lovasz_weight == 0) \
-            and _triton()
+            and tokenizer_head_cuda is not None
 
     def set_class_frequencies(self, counts) -> Tensor:
         """Set the CE class weights from per-class voxel counts of the training data (see
@@ -682,9 +676,6 @@ class Tokenizer(nn.Module):
     def _fused_loss(self, h: Tensor, occ: Tensor, vq: Tensor, mask: Tensor | None) -> dict[str, Tensor]:
         """`loss` from the decoder output h (N, Z*E, X, Y) through wm.tokenizer_head_cuda: the same
         terms (tests/test_tokenizer_head_cuda.py), without the logits."""
-        from wm.lovasz import HIST_BITS
-        from wm.tokenizer_head_cuda import head_losses
-
         cfg = self.cfg
         labels = occ.to(torch.int16)
         if mask is not None:  # a masked-out voxel counts in neither loss (label -1)
@@ -692,8 +683,8 @@ class Tokenizer(nn.Module):
         weight = self.class_weights if cfg.class_weight_power > 0 else torch.ones_like(self.class_weights)
         # (N, Z*E, X, Y) -> (N, X, Y, Z, E) -> (P, E): voxels in occ's order (a view if h is channels-last)
         h = h.permute(0, 2, 3, 1).reshape(-1, cfg.embed_dim)
-        ce, lov = head_losses(h, self.class_embed.weight, labels.reshape(-1), weight, cfg.lovasz_weight > 0,
-                              True, HIST_BITS)
+        ce, lov = tokenizer_head_cuda.head_losses(h, self.class_embed.weight, labels.reshape(-1), weight,
+                                                  cfg.lovasz_weight > 0, True, HIST_BITS)
         total = cfg.ce_weight * ce + cfg.lovasz_weight * lov + cfg.vq_weight * vq
         return {"loss": total, "ce": ce, "lovasz": lov, "vq": vq}
 
