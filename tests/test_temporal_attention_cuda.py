@@ -25,20 +25,32 @@ from wm.tokenizer import _keep_expensive
 from torch.utils.checkpoint import CheckpointPolicy
 dev = {dev!r}
 torch.manual_seed(0)
-for n, t, heads, d in ((5, 11, 2, 16), (3, 1, 1, 16), (7, 16, 2, 32), (33, 5, 1, 16)):
+# (windows, frames, cells a frame, heads, head dim): one cell a frame (frames adjacent in memory), many
+# (frames h*w rows apart, the model's layout), cell counts that do not fill the last program (33)
+for b, t, s, heads, d in ((5, 11, 1, 2, 16), (1, 11, 6, 2, 16), (3, 1, 2, 1, 16), (2, 16, 4, 2, 32), (3, 5, 11, 1, 16)):
     c = heads * d
-    qkv = (2 * torch.randn(n, t, 3 * c, device=dev)).requires_grad_()
-    do = torch.randn(n, t, c, device=dev)
+    qkv = (2 * torch.randn(b, t, s, 3 * c, device=dev)).requires_grad_()
+    do = torch.randn(b, t, s, c, device=dev)
     o = causal_time_attention(qkv, heads)
     (o * do).sum().backward()
     g, qkv.grad = qkv.grad, None
-    q, k, v = qkv.reshape(n, t, 3, heads, d).permute(2, 0, 3, 1, 4)
-    ref = world.short_causal_attention(q, k, v).transpose(1, 2).reshape(n, t, c)
+    q, k, v = qkv.reshape(b, t, s, 3, heads, d).permute(3, 0, 2, 4, 1, 5)  # (B, S, heads, T, d)
+    ref = world.short_causal_attention(q, k, v).permute(0, 3, 1, 2, 4).reshape(b, t, s, c)
     (ref * do).sum().backward()
-    case = (n, t, heads, d)
+    case = (b, t, s, heads, d)
     assert float((o - ref).detach().abs().max()) < 1e-5 * float(ref.detach().abs().max()), case
     assert float((g - qkv.grad).abs().max()) < 1e-5 * float(qkv.grad.abs().max()), case
     assert float(qkv.grad.abs().max()) > 0, case
+# and against attention written out per cell: frame t of cell (b, s) sees frames 0..t of that cell only
+b, t, s, heads, d = 2, 4, 3, 1, 16
+qkv = torch.randn(b, t, s, 3 * d, device=dev)
+o = causal_time_attention(qkv, heads)
+for bi in range(b):
+    for si in range(s):
+        q, k, v = qkv[bi, :, si].split(d, -1)
+        for ti in range(t):
+            w = torch.softmax(q[ti] @ k[: ti + 1].T / d ** 0.5, -1)
+            assert torch.allclose(o[bi, ti, si], w @ v[: ti + 1], atol=1e-5), (bi, ti, si)
 
 # the whole temporal layer, kernel vs torch path (the same weights), and that fused=True took the kernel
 if dev == "cpu":  # the interpreter runs the kernels on CPU tensors: let the layer hand them over
@@ -47,7 +59,7 @@ calls = []
 kernel = world.temporal_attention_cuda.causal_time_attention
 world.temporal_attention_cuda.causal_time_attention = lambda qkv, heads: calls.append(heads) or kernel(qkv, heads)
 layer = world.TemporalLayer(32, 2, 2, fused=True).to(dev)
-x = torch.randn(6, 11, 32, device=dev, requires_grad=True)
+x = torch.randn(2, 11, 3, 32, device=dev, requires_grad=True)
 outs = []
 for fused in (True, False):
     layer.fused = fused
@@ -64,14 +76,14 @@ world.temporal_attention_cuda.causal_time_attention = kernel
 # selective checkpointing keeps the kernel's output (recomputing it would cost a kernel launch each way)
 assert _keep_expensive(None, torch.ops.wm.causal_time_attention.default) == CheckpointPolicy.MUST_SAVE
 
-torch.library.opcheck(_attention, (torch.randn(3, 4, 96, device=dev, requires_grad=True), 2),
+torch.library.opcheck(_attention, (torch.randn(3, 4, 2, 96, device=dev, requires_grad=True), 2),
                       test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 # inputs in another layout (as Inductor may lay them out): the fakes still say what the kernels write
 from wm.temporal_attention_cuda import _attention_backward
-odd = torch.randn(96, 3, 4, device=dev).permute(1, 2, 0)  # (3, 4, 96), dense, not contiguous
+odd = torch.randn(96, 3, 4, 2, device=dev).permute(1, 2, 3, 0)  # (3, 4, 2, 96), dense, not contiguous
 torch.library.opcheck(_attention, (odd.clone().requires_grad_(), 2), test_utils=("test_faketensor",))
-torch.library.opcheck(_attention_backward, (odd, torch.randn(3, 4, 32, device=dev), torch.randn(3, 4, 2, device=dev),
-                                            torch.randn(96, 3, 4, device=dev)[:32].permute(1, 2, 0), 2),
+torch.library.opcheck(_attention_backward, (odd, torch.randn(3, 4, 2, 32, device=dev), torch.randn(3, 4, 2, 2, device=dev),
+                                            torch.randn(96, 3, 4, 2, device=dev)[:32].permute(1, 2, 3, 0), 2),
                       test_utils=("test_faketensor",))
 print("OK")
 """

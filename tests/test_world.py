@@ -9,8 +9,10 @@ import torch
 
 from conftest import count_checkpoints
 from wm.errors import ConfigError
-from wm.tokenizer import Tokenizer, TokenizerConfig
-from wm.world import WorldConfig, WorldModel, compose_motion, count_parameters, displacement
+from wm.tokenizer import ResBlock, Tokenizer, TokenizerConfig
+from torch import nn
+
+from wm.world import TemporalLayer, WorldConfig, WorldModel, compose_motion, count_parameters, displacement
 
 
 @pytest.fixture(autouse=True)
@@ -102,6 +104,43 @@ def test_learns_constant_velocity_beats_copy_last():
                 break
     assert acc > copy_acc + 0.2, f"after {step} steps: accuracy {acc:.3f} vs copy-last {copy_acc:.3f}"
     assert rollout_acc > copy_roll + 0.1, f"after {step} steps: rollout {rollout_acc:.3f} vs copy-last {copy_roll:.3f}"
+
+
+def test_scene_features_stay_channels_last_and_the_layouts_agree():
+    """world.channels_last: every temporal layer reads the scene features as a (B, T, h*w, C) view of the
+    channels-last (B*T, C, h, w) tensor (no copy), every convolution reads channels-last input, and the
+    model with NCHW conv weights is the same function of the same parameters."""
+    torch.manual_seed(0)
+    cl = WorldModel(tiny_cfg(), 32)
+    nchw = WorldModel(tiny_cfg(channels_last=False), 32)
+    nchw.load_state_dict(cl.state_dict())
+    assert cl.out_conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert nchw.out_conv.weight.is_contiguous() and not nchw.out_conv.weight.is_contiguous(memory_format=torch.channels_last)
+    seen = []
+    for mod in cl.modules():
+        if isinstance(mod, (TemporalLayer, nn.Conv2d, nn.ConvTranspose2d)):
+            mod.register_forward_pre_hook(lambda m, a: seen.append((type(m).__name__, a[0])))
+    codes = torch.randint(0, 32, (2, 5, 8, 8))
+    motion = torch.randn(2, 5, 3)
+    outs = [m(codes, motion) for m in (cl, nchw)]
+    temporal = [x for kind, x in seen if kind == "TemporalLayer"]
+    convs = [x for kind, x in seen if kind != "TemporalLayer"]
+    assert len(temporal) == 4 and len(convs) >= 10  # one temporal layer on each of 2 encoder + 2 decoder levels
+    for x in temporal:
+        assert x.dim() == 4 and x.shape[:2] == (2, 5) and x.is_contiguous() and x._base is not None, x.shape
+    for x in convs:
+        assert x.is_contiguous(memory_format=torch.channels_last) and x.shape[1] > 1, x.shape
+    for k in ("logits", "motion"):
+        assert torch.allclose(outs[0][k], outs[1][k], atol=1e-5, rtol=1e-5), k
+    # torch.compile lays tensors out by their meta strides, and on meta GroupNorm's result is NCHW: the
+    # residual blocks still hand their convolutions input in x's layout (else a copy per convolution)
+    blk = ResBlock(8, 16).to("meta", memory_format=torch.channels_last)
+    convs.clear()
+    for conv in (blk.conv1, blk.conv2, blk.shortcut):
+        conv.register_forward_pre_hook(lambda m, a: convs.append(a[0]))
+    blk(torch.empty(2, 8, 4, 4, device="meta").contiguous(memory_format=torch.channels_last))
+    blk(torch.empty(2, 8, 4, 4, device="meta"))
+    assert [x.is_contiguous(memory_format=torch.channels_last) for x in convs] == [True] * 3 + [False] * 3
 
 
 def test_teacher_forced_forward_is_causal():

@@ -8,17 +8,19 @@ masked softmax between them, and permutes the result back: 33 of 208 GPU-ms of a
 (H200, BENCHMARKS.md, issue 15), plus the copies.
 
 Here each program takes BLOCK rows (BLOCK // TP cells, their T frames padded to TP, a power of 2) of
-one head, reads q, k, v straight out of the (N, T, 3C) projection (row n*T + t: q of head h at h*D, k
-at C + h*D, v at 2C + h*D) and keeps the rest in registers. The (BLOCK, BLOCK) scores of all its rows
-against all its rows come from one tensor-core product; a cell's frames are one diagonal block, so
-the mask is block-diagonal and causal, and the products outside the blocks are the price of using
-the tensor cores at T = 11 (cheap next to reading q, k, v and writing the results).
+one head, reads q, k, v straight out of the (B, T, S, 3C) projection (B windows, S = h*w cells a frame;
+cell n = b*S + s, frame t at row (b*T + t)*S + s: q of head h at h*D, k at C + h*D, v at 2C + h*D) and
+keeps the rest in registers. That is the scene features' own memory order, channels-last (B*T, C, h,
+w), so the temporal layers need no (cells, T, C) copy of them either way. The (BLOCK, BLOCK) scores
+of all its rows against all its rows come from one tensor-core product; a cell's frames are one
+diagonal block, so the mask is block-diagonal and causal, and the products outside the blocks are the
+price of using the tensor cores at T = 11 (cheap next to reading q, k, v and writing the results).
 
-- forward (`_time_attention_forward`): scores, masked softmax, o = P v; writes o straight into the (N, T, C)
-  layout the output projection reads, and each row's log-sum-exp (N, T, H) float32;
+- forward (`_time_attention_forward`): scores, masked softmax, o = P v; writes o straight into the (B, T, S, C)
+  layout the output projection reads, and each row's log-sum-exp (B, T, S, H) float32;
 - backward (`_time_attention_backward`): the probabilities again from the log-sum-exp, then dv = P^T dO,
   dP = dO v^T, dS = P (dP - rowsum(dO o)), dq = dS k, dk = dS^T q; a program owns all T frames of
-  its cells, so every gradient row is written once (no atomics), into one (N, T, 3C) tensor.
+  its cells, so every gradient row is written once (no atomics), into one (B, T, S, 3C) tensor.
 
 Products in the input dtype with float32 sums (float32 inputs keep float32 products), softmax in
 float32; outputs in the input's dtype. Tile size: BENCHMARKS.md (issue 15) has the sweep. Registered
@@ -40,18 +42,19 @@ WARPS = 4  # warps per program
 
 
 @triton.jit
-def _tile(qkv_ptr, N, T: tl.constexpr, TP: tl.constexpr, C: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+def _tile(qkv_ptr, N, S, T: tl.constexpr, TP: tl.constexpr, C: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
           BLOCK: tl.constexpr):
     """This program's head and rows: BLOCK // TP cells, TP (>= T) rows each. Returns the head, the rows'
-    numbers n*T + t in the (N, T, .) tensors, which rows exist, the (BLOCK, D) offsets of the head's q in
-    (N, T, 3C) and of its slice of (N, T, C), q, k, v (BLOCK, D) in the input dtype, and which (query row, key row) pairs attend: the same cell, key frame <= query
-    frame, key frame < T. Every row attends to its cell's frame 0, so no row is all -inf."""
+    numbers in the (B, T, S, .) tensors (cell n = b*S + s, frame t: row (b*T + t)*S + s), which rows
+    exist, the (BLOCK, D) offsets of the head's q in (B, T, S, 3C) and of its slice of (B, T, S, C), q, k,
+    v (BLOCK, D) in the input dtype, and which (query row, key row) pairs attend: the same cell, key
+    frame <= query frame, key frame < T. Every row attends to its cell's frame 0, so no row is all -inf."""
     pid = tl.program_id(0)
     h = pid % H  # the H heads of a block of cells run next to each other: they share cache lines
     r = tl.arange(0, BLOCK)
     g, t = r // TP, r % TP
     cells = ((pid // H) * (BLOCK // TP) + g).to(tl.int64)
-    rows = cells * T + t
+    rows = ((cells // S) * T + t) * S + cells % S
     rmask = (cells < N) & (t < T)
     dd = tl.arange(0, D)
     off = rows[:, None] * (3 * C) + h * D + dd[None, :]
@@ -64,10 +67,10 @@ def _tile(qkv_ptr, N, T: tl.constexpr, TP: tl.constexpr, C: tl.constexpr, H: tl.
 
 
 @triton.jit
-def _time_attention_forward(qkv_ptr, o_ptr, lse_ptr, N, scale, T: tl.constexpr, TP: tl.constexpr,
+def _time_attention_forward(qkv_ptr, o_ptr, lse_ptr, N, S, scale, T: tl.constexpr, TP: tl.constexpr,
                     C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                     PREC: tl.constexpr):
-    h, rows, rmask, off, ooff, q, k, v, attend = _tile(qkv_ptr, N, T, TP, C, H, D, BLOCK)
+    h, rows, rmask, off, ooff, q, k, v, attend = _tile(qkv_ptr, N, S, T, TP, C, H, D, BLOCK)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # (BLOCK, BLOCK), float32 accumulation
     s = tl.where(attend, s, float("-inf"))
     m = tl.max(s, 1)
@@ -79,10 +82,10 @@ def _time_attention_forward(qkv_ptr, o_ptr, lse_ptr, N, scale, T: tl.constexpr, 
 
 
 @triton.jit
-def _time_attention_backward(qkv_ptr, o_ptr, lse_ptr, do_ptr, dqkv_ptr, N, scale, T: tl.constexpr, TP: tl.constexpr,
+def _time_attention_backward(qkv_ptr, o_ptr, lse_ptr, do_ptr, dqkv_ptr, N, S, scale, T: tl.constexpr, TP: tl.constexpr,
                      C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                      PREC: tl.constexpr):
-    h, rows, rmask, off, ooff, q, k, v, attend = _tile(qkv_ptr, N, T, TP, C, H, D, BLOCK)
+    h, rows, rmask, off, ooff, q, k, v, attend = _tile(qkv_ptr, N, S, T, TP, C, H, D, BLOCK)
     do = tl.load(do_ptr + ooff, mask=rmask[:, None], other=0.0)
     o = tl.load(o_ptr + ooff, mask=rmask[:, None], other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # rowsum(dO * O)
@@ -108,15 +111,17 @@ def supports(frames: int, width: int, heads: int) -> bool:
 
 
 def _layout(qkv: Tensor, heads: int):
-    """Shapes and launch sizes: (N, T, C, D, T padded to a power of 2, grid)."""
-    n, t, c3 = qkv.shape
+    """Shapes and launch sizes: (B, T, S, C, D, T padded to a power of 2, grid)."""
+    if qkv.dim() != 4:
+        raise ValueError(f"causal_time_attention: qkv {tuple(qkv.shape)} must be (B, T, S, 3C)")
+    b, t, s, c3 = qkv.shape
     c = c3 // 3
     d = c // heads
     if c3 != 3 * c or not supports(t, c, heads):
-        raise ValueError(f"causal_time_attention: qkv {tuple(qkv.shape)} with {heads} heads: needs (N, T<=16, 3C) "
+        raise ValueError(f"causal_time_attention: qkv {tuple(qkv.shape)} with {heads} heads: needs (B, T<=16, S, 3C) "
                          "with a power-of-2 head dim of 16 to 128")
     tp = triton.next_power_of_2(t)
-    return n, t, c, d, tp, (triton.cdiv(n, BLOCK // tp) * heads,)
+    return b, t, s, c, d, tp, (triton.cdiv(b * s, BLOCK // tp) * heads,)
 
 
 def _precision(qkv: Tensor) -> str:
@@ -128,26 +133,26 @@ def _precision(qkv: Tensor) -> str:
 @torch.library.custom_op("wm::causal_time_attention", mutates_args=())
 def _attention(qkv: Tensor, heads: int) -> tuple[Tensor, Tensor]:
     qkv = qkv.contiguous()
-    n, t, c, d, tp, grid = _layout(qkv, heads)
-    o = qkv.new_empty(n, t, c)
-    lse = torch.empty(n, t, heads, device=qkv.device, dtype=torch.float32)
-    _time_attention_forward[grid](qkv, o, lse, n, d ** -0.5, T=t, TP=tp, C=c, H=heads, D=d, BLOCK=BLOCK,
+    b, t, s, c, d, tp, grid = _layout(qkv, heads)
+    o = qkv.new_empty(b, t, s, c)
+    lse = torch.empty(b, t, s, heads, device=qkv.device, dtype=torch.float32)
+    _time_attention_forward[grid](qkv, o, lse, b * s, s, d ** -0.5, T=t, TP=tp, C=c, H=heads, D=d, BLOCK=BLOCK,
                           PREC=_precision(qkv), num_warps=WARPS)
     return o, lse
 
 
 @_attention.register_fake
 def _(qkv: Tensor, heads: int) -> tuple[Tensor, Tensor]:
-    n, t, c3 = qkv.shape
-    return qkv.new_empty(n, t, c3 // 3), qkv.new_empty(n, t, heads, dtype=torch.float32)
+    b, t, s, c3 = qkv.shape
+    return qkv.new_empty(b, t, s, c3 // 3), qkv.new_empty(b, t, s, heads, dtype=torch.float32)
 
 
 @torch.library.custom_op("wm::causal_time_attention_backward", mutates_args=())
 def _attention_backward(qkv: Tensor, o: Tensor, lse: Tensor, do: Tensor, heads: int) -> Tensor:
     qkv, o, do = qkv.contiguous(), o.contiguous(), do.contiguous()
-    n, t, c, d, tp, grid = _layout(qkv, heads)
+    b, t, s, c, d, tp, grid = _layout(qkv, heads)
     dqkv = torch.empty_like(qkv)
-    _time_attention_backward[grid](qkv, o, lse, do, dqkv, n, d ** -0.5, T=t, TP=tp, C=c, H=heads, D=d, BLOCK=BLOCK,
+    _time_attention_backward[grid](qkv, o, lse, do, dqkv, b * s, s, d ** -0.5, T=t, TP=tp, C=c, H=heads, D=d, BLOCK=BLOCK,
                            PREC=_precision(qkv), num_warps=WARPS)
     return dqkv
 
@@ -173,7 +178,9 @@ _attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def causal_time_attention(qkv: Tensor, heads: int) -> Tensor:
-    """qkv (N, T, 3C), the fused q/k/v projection of N sequences of T <= 16 frames -> (N, T, C): per
-    head (C/heads, a power of 2) causal softmax attention, frame t over frames 0..t. The same function
-    as wm.world.short_causal_attention on the permuted q, k, v; differentiable in qkv."""
+    """qkv (B, T, S, 3C), the fused q/k/v projection of B windows of T <= 16 frames of S cells each ->
+    (B, T, S, C): per cell and head (C/heads, a power of 2) causal softmax attention, frame t over
+    frames 0..t. The same function as wm.world.short_causal_attention on the permuted q, k, v;
+    differentiable in qkv. The frames of a cell lie S rows apart: the world model's scene features in
+    their own (B, T, h, w, C) memory order, with no permute (S = 1 is the (cells, T, 3C) layout)."""
     return _attention(qkv, heads)[0]

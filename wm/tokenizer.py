@@ -186,8 +186,12 @@ class ResBlock(nn.Module):
         self.shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.conv1(F.silu(self.norm1(x)))
-        h = self.conv2(F.silu(self.norm2(h)))
+        # the convolutions' inputs in x's layout: GroupNorm's result does not say channels-last (its
+        # meta strides are NCHW), so under torch.compile a channels-last model (the world model's) would
+        # get NCHW activations and a copy per convolution each way; a no-op for NCHW x
+        fmt = torch.channels_last if x.stride(1) == 1 and x.shape[1] > 1 else torch.contiguous_format
+        h = self.conv1(F.silu(self.norm1(x)).contiguous(memory_format=fmt))
+        h = self.conv2(F.silu(self.norm2(h)).contiguous(memory_format=fmt))
         return self.shortcut(x) + h
 
 

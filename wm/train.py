@@ -315,7 +315,7 @@ RESUME_MAY_CHANGE = {
     "synthetic": ("cache_dir",),
     # the same functions by other kernels or layouts (float rounding apart): a run may switch them on resume
     "tokenizer": ("fused_head", "channels_last", "compile_channels_last", "compile_tuning"),
-    "world": ("fused_attention",),
+    "world": ("fused_attention", "channels_last"),
 }
 
 

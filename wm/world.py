@@ -79,6 +79,9 @@ class WorldConfig:
     checkpoint_policy: str = "full"  # what a checkpointed block keeps: full | selective
     # reads q, k, v straight from the projection, no permutes (wm.temporal_attention_cuda)
     fused_attention: bool = True  # on CUDA, temporal attention in one Triton kernel each way; false: batched matmuls
+    # the scene features are laid out (B, T, h, w, C) from the code embedding on, which the temporal
+    # layers read as (B, T, h*w, C) without a copy; NHWC conv weights keep cuDNN's outputs in that layout
+    channels_last: bool = True  # conv weights channels-last (NHWC) in memory; false: NCHW weights
 
     @classmethod
     def occworld(cls) -> "WorldConfig":
@@ -207,7 +210,8 @@ def _cached(cache: dict | None, layer: nn.Module, k: Tensor, v: Tensor) -> tuple
 
 
 class TemporalLayer(nn.Module):
-    """Pre-norm causal self-attention over time per spatial cell + FFN. x: (N, T, C), N = B*h*w."""
+    """Pre-norm causal self-attention over time per spatial cell + FFN. x: (B, T, S, C), S cells a frame
+    (the scene features in their channels-last memory order: no permute to (cells, T, C) and back)."""
 
     def __init__(self, c: int, heads: int, ffn_mult: int, fused: bool = False):
         super().__init__()
@@ -218,19 +222,19 @@ class TemporalLayer(nn.Module):
     def _use_kernel(self, x: Tensor, cache: dict | None) -> bool:
         """The Triton kernel (WorldConfig.fused_attention) on CUDA, for a whole window (no rollout cache:
         the kernel's queries and keys are the same frames); never while exporting (ONNX has no such op)."""
-        n, t, c = x.shape
+        b, t, s, c = x.shape
         return (self.fused and cache is None and _kernel_device(x) and temporal_attention_cuda is not None
                 and temporal_attention_cuda.supports(t, c, self.heads) and not _exporting())
 
     def forward(self, x: Tensor, cache: dict | None = None) -> Tensor:
-        n, t, c = x.shape
+        b, t, s, c = x.shape
         qkv = self.qkv(self.norm1(x))
         if self._use_kernel(x, cache):
-            o = temporal_attention_cuda.causal_time_attention(qkv, self.heads)  # (N, T, C), no permutes
-        else:
-            q, k, v = qkv.reshape(n, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+            o = temporal_attention_cuda.causal_time_attention(qkv, self.heads)  # (B, T, S, C), no permutes
+        else:  # q, k, v (B, S, heads, T, d): attention over the frame axis
+            q, k, v = qkv.reshape(b, t, s, 3, self.heads, c // self.heads).permute(3, 0, 2, 4, 1, 5)
             k, v = _cached(cache, self, k, v)
-            o = short_causal_attention(q, k, v).transpose(1, 2).reshape(n, t, c)
+            o = short_causal_attention(q, k, v).permute(0, 3, 1, 2, 4).reshape(b, t, s, c)
         x = x + self.proj(o)
         return x + self.ffn(self.norm2(x))
 
@@ -350,6 +354,8 @@ class WorldModel(nn.Module):
             order += [*lvl.temporal, *lvl.pose, *blocks]
         for i, blk in enumerate(order):
             blk.block_index = i
+        if cfg.channels_last:  # .to(device) and load_state_dict keep it
+            self.to(memory_format=torch.channels_last)
 
     # -- embedding from the tokenizer
     @torch.no_grad()
@@ -383,10 +389,11 @@ class WorldModel(nn.Module):
         _, c, h, w = x.shape
         x = x + lvl.cond(p).reshape(b * t, c, 1, 1)
         if len(lvl.temporal):
-            y = x.reshape(b, t, c, h, w).permute(0, 3, 4, 1, 2).reshape(b * h * w, t, c)
+            # (B*T, C, h, w) -> (B, T, h*w, C): a view of channels-last x, whose memory is (B, T, h, w, C)
+            y = x.permute(0, 2, 3, 1).reshape(b, t, h * w, c)
             for layer in lvl.temporal:
                 y = self._call(layer, y, cache=cache)
-            x = y.reshape(b, h, w, t, c).permute(0, 3, 4, 1, 2).reshape(b * t, c, h, w)
+            x = y.reshape(b * t, h, w, c).permute(0, 3, 1, 2)  # channels-last again, no copy
         for layer in lvl.pose:
             p = self._call(layer, p, x, cache=cache)
         return x, p
@@ -418,7 +425,9 @@ class WorldModel(nn.Module):
                 x = self._call(blk, x)
             p = pmlp(p)
             skips.append((x, p))
-            x = down(F.pad(x, (0, x.shape[-1] % 2, 0, x.shape[-2] % 2)))
+            if x.shape[-1] % 2 or x.shape[-2] % 2:  # odd sizes only: a zero pad is still a copy
+                x = F.pad(x, (0, x.shape[-1] % 2, 0, x.shape[-2] % 2))
+            x = down(x)
         for blk in self.mid_blocks:
             x = self._call(blk, x)
         p = self.mid_pose(p)
