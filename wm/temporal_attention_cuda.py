@@ -2,7 +2,7 @@
 
 A temporal layer attends, for every spatial cell and head, over the T <= 16 frames of a window: at the
 occworld size 40 000 cells x 8 heads x 11 frames x head dim 16-64. The torch path
-(wm.world.short_causal_attention) permutes q, k, v out of the (cells, T, 3C) projection, runs two
+(wm.world.short_causal_attention) permutes q, k, v out of the q/k/v projection, runs two
 batched matmuls of 11 x 16 matrices (cuBLAS/cutlass tiles of 64 or more waste most of each tile), a
 masked softmax between them, and permutes the result back: 33 of 208 GPU-ms of a compiled world step
 (H200, BENCHMARKS.md, issue 15), plus the copies.
