@@ -6,12 +6,11 @@ import dataclasses
 
 import pytest
 import torch
+from torch import nn
 
 from conftest import count_checkpoints
 from wm.errors import ConfigError
 from wm.tokenizer import ResBlock, Tokenizer, TokenizerConfig
-from torch import nn
-
 from wm.world import TemporalLayer, WorldConfig, WorldModel, compose_motion, count_parameters, displacement
 
 
