@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from wm.lovasz import bin_centers, bin_layout, class_weights, gradient_table
 from wm.lovasz_cuda import error_keys
 
 BLOCK = 128  # voxels per tile
@@ -138,8 +139,6 @@ def _head_losses(h: Tensor, weight: Tensor, labels: Tensor, class_w: Tensor, lov
     """-> (cross-entropy, Lovasz, the (C*bins*2,) Lovasz gradient table, counted voxels): the last two
     are for the backward pass. A custom op, so torch.compile keeps the model and its loss in one
     graph (a graph break here made Inductor hand the decoder output and its gradient across)."""
-    from wm.lovasz import bin_centers, bin_layout, class_weights, gradient_table
-
     h, weight, labels, class_w = h.contiguous(), weight.contiguous(), labels.contiguous(), class_w.contiguous()
     num_points = labels.numel()
     c, e, cp, ep, grid = _layout(num_points, weight)
@@ -166,8 +165,6 @@ def _head_losses(h: Tensor, weight: Tensor, labels: Tensor, class_w: Tensor, lov
 
 @_head_losses.register_fake
 def _(h, weight, labels, class_w, lovasz, present_only, bits):
-    from wm.lovasz import bin_layout
-
     size = weight.shape[0] * bin_layout(bits)[1] * 2 if lovasz else 1
     scalar = h.new_empty((), dtype=torch.float32)
     return scalar, scalar.clone(), h.new_empty(size, dtype=torch.float32), scalar.clone()
@@ -177,8 +174,6 @@ def _(h, weight, labels, class_w, lovasz, present_only, bits):
 def _head_losses_backward(h: Tensor, weight: Tensor, labels: Tensor, class_w: Tensor, table: Tensor,
                           scale: Tensor, lovasz: bool, bits: int) -> tuple[Tensor, Tensor]:
     """scale: [d loss / d ce over the counted voxels, d loss / d lovasz] -> (d h, d weight)."""
-    from wm.lovasz import bin_layout
-
     h, weight, labels, class_w = h.contiguous(), weight.contiguous(), labels.contiguous(), class_w.contiguous()
     num_points = labels.numel()
     c, e, cp, ep, grid = _layout(num_points, weight)
