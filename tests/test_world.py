@@ -10,7 +10,7 @@ from torch import nn
 
 from conftest import count_checkpoints
 from wm.errors import ConfigError
-from wm.tokenizer import ResBlock, Tokenizer, TokenizerConfig
+from wm.tokenizer import ResBlock, Tokenizer, TokenizerConfig, channels_last_grad
 from wm.world import TemporalLayer, WorldConfig, WorldModel, compose_motion, count_parameters, displacement
 
 
@@ -140,6 +140,75 @@ def test_scene_features_stay_channels_last_and_the_layouts_agree():
     blk(torch.empty(2, 8, 4, 4, device="meta").contiguous(memory_format=torch.channels_last))
     blk(torch.empty(2, 8, 4, 4, device="meta"))
     assert [x.is_contiguous(memory_format=torch.channels_last) for x in convs] == [True] * 3 + [False] * 3
+
+
+def test_convolutions_get_their_output_gradients_channels_last():
+    """cuDNN's convolution backward converts grad_output to its input's layout: every convolution of the
+    channels-last model gets it channels-last already (channels_last_grad; NCHW tensors pass through
+    untouched), and both models' parameter gradients agree."""
+    torch.manual_seed(0)
+    cl = WorldModel(tiny_cfg(), 32)
+    nchw = WorldModel(tiny_cfg(channels_last=False), 32)
+    nchw.load_state_dict(cl.state_dict())
+    codes, motion = torch.randint(0, 32, (2, 6, 8, 8)), torch.randn(2, 6, 3)
+    grads = {}
+    for name, m in (("cl", cl), ("nchw", nchw)):
+        seen = grads[name] = []
+        for mod in m.modules():
+            if isinstance(mod, (nn.Conv2d, nn.ConvTranspose2d)):
+                mod.register_full_backward_pre_hook(lambda mod, g, seen=seen: seen.append(g[0]))
+        m(codes[:, :-1], motion[:, :-1], codes[:, 1:], motion[:, 1:])["loss"].backward()
+    n = sum(isinstance(mod, (nn.Conv2d, nn.ConvTranspose2d)) for mod in cl.modules())
+    assert len(grads["cl"]) == len(grads["nchw"]) == n > 10
+    assert all(g.is_contiguous(memory_format=torch.channels_last) and not g.is_contiguous() for g in grads["cl"])
+    x = torch.randn(2, 8, 4, 4, requires_grad=True)  # NCHW: x itself, no autograd node
+    assert channels_last_grad(x) is x and channels_last_grad(x.contiguous(memory_format=torch.channels_last)) is not x
+    for (k, a), b in zip(cl.named_parameters(), nchw.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6), k
+
+
+def _ancestors(e) -> list[str]:
+    names, p = [], e.cpu_parent
+    while p is not None:
+        names.append(p.name)
+        p = p.cpu_parent
+    return names
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_channels_last_logits_take_the_cross_entropy_by_rows(masked):
+    """With channels-last logits the CE runs over (cells, K) rows, a view: the log-softmax copies nothing,
+    and loss and gradients are those of the CE over dim 1 of the NCHW logits (the other model)."""
+    torch.manual_seed(0)
+    cl = WorldModel(tiny_cfg(), 32)
+    nchw = WorldModel(tiny_cfg(channels_last=False), 32)
+    nchw.load_state_dict(cl.state_dict())
+    codes, motion = torch.randint(0, 32, (2, 6, 8, 8)), torch.randn(2, 6, 3)
+    mask = (torch.rand(2, 5, 8, 8) < 0.5) if masked else None
+    def softmax_copies(fn):
+        with torch.profiler.profile() as prof:
+            r = fn()
+        return r, [e for e in prof.events() if e.name == "aten::copy_" and "aten::_log_softmax" in _ancestors(e)]
+
+    res = []
+    out_cl = cl(codes[:, :-1], motion[:, :-1])
+    for m in (cl, nchw):
+        out = out_cl if m is cl else m(codes[:, :-1], motion[:, :-1])
+        r, copies = softmax_copies(lambda: m.loss(out, codes[:, 1:], motion[:, 1:], mask))
+        assert copies == []
+        inside = m(codes[:, :-1], motion[:, :-1], codes[:, 1:], motion[:, 1:], mask)  # training's call
+        assert all(torch.equal(inside[k], r[k]) for k in r), "the loss inside the forward differs"
+        r["loss"].backward()
+        res.append((r, m.out_conv.weight.grad.clone(), m.code_embed.weight.grad.clone()))
+    # what the rows avoid: the CE over dim 1 of the channels-last logits copies them
+    _, copies = softmax_copies(lambda: torch.nn.functional.cross_entropy(out_cl["logits"].flatten(0, 1),
+                                                                         codes[:, 1:].flatten(0, 1)))
+    assert len(copies) == 1
+    (r0, *g0), (r1, *g1) = res
+    for k in ("loss", "ce", "acc"):
+        assert torch.allclose(r0[k], r1[k], rtol=1e-5, atol=1e-6), (k, r0[k], r1[k])
+    for a, b in zip(g0, g1):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_teacher_forced_forward_is_causal():

@@ -359,9 +359,11 @@ class Bench:
         finally:
             runner.close()
         attr = "device_time_total" if self.cuda else "cpu_time_total"
-        # on CUDA: kernels only (device-side events); on a CPU: the operators
-        events = [e for e in prof.key_averages()
-                  if not self.cuda or (e.device_type.name == "CUDA" and not e.key.startswith("cuda"))]
+        # on CUDA: kernels only (device-side events, less the ranges that record_function annotations such
+        # as "Optimizer.step#AdamW.step" span on the GPU: their kernels are counted already); on a CPU: the operators
+        ranges = {e.name for e in prof.events() if getattr(e, "is_user_annotation", False)}
+        events = [e for e in prof.key_averages() if not self.cuda
+                  or (e.device_type.name == "CUDA" and not e.key.startswith("cuda") and e.key not in ranges)]
         rows = sorted(((e.key, getattr(e, attr, 0) or 0, e.count) for e in events), key=lambda r: -r[1])
         busy = sum(r[1] for r in rows) if self.cuda else None
         # first match wins: attention before gemm/conv, whose "cudnn" would take cuDNN's SDPA kernels
@@ -370,6 +372,19 @@ class Bench:
                  "fused head/losses": r"head_loss|lovasz|histogram_kernel|gradient_kernel",
                  "norm": r"norm|welford", "optimizer": r"adam|foreach|multi_tensor",
                  "copy/cast": r"copy|cast|convert|memcpy|memset|fill|cat|index"}
+        # ATen copies (what .contiguous() and layout changes inside operators launch) by the operators
+        # that called them: the chain of callers up to the step, innermost first
+        callers: dict[str, list] = {}
+        for e in prof.events():
+            t = getattr(e, attr, 0) or 0
+            if e.name != "aten::copy_" or t <= 0:
+                continue
+            chain, parent = [], e.cpu_parent
+            while parent is not None and len(chain) < 5:
+                chain.append(parent.name)
+                parent = parent.cpu_parent
+            row = callers.setdefault(" < ".join(chain) or "(step)", [0.0, 0])
+            row[0], row[1] = row[0] + t, row[1] + 1
         split = {}
         if self.cuda:
             for k, t, _ in rows:
@@ -382,6 +397,8 @@ class Bench:
                         for k, t, c in rows[:top]],
                 "kernels": [{"kernel": k[:240], "ms_per_step": t / 1e3 / steps, "calls_per_step": c / steps}
                             for k, t, c in rows],  # all of them, for the JSON
+                "copy_callers": [{"callers": k, "ms_per_step": t / 1e3 / steps, "calls_per_step": c / steps}
+                                 for k, (t, c) in sorted(callers.items(), key=lambda r: -r[1][0])],
                 "split_ms_per_step": {k: v / 1e3 / steps for k, v in sorted(split.items(), key=lambda x: -x[1])}}
 
     def attempt(self, stage: str, name: str, cfg, onthefly: bool = False) -> dict:
@@ -762,6 +779,8 @@ def main(argv=None) -> int:
                         print(f"  {kind:<20}{ms:9.2f} ms/step")
                     for r in p["top"]:
                         print(f"  {r['ms_per_step']:9.2f} ms/step  {r['calls_per_step']:6.1f}x  {r['kernel']}")
+                    for r in p["copy_callers"][:8]:
+                        print(f"  copy {r['ms_per_step']:9.2f} ms/step  {r['calls_per_step']:6.1f}x  {r['callers'][:160]}")
 
         extra = extrapolate(results)
         found = checks(results, extra, cuda, card)

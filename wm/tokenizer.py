@@ -49,6 +49,7 @@ __all__ = [
     "lovasz_softmax",
     "count_parameters",
     "ResBlock",
+    "channels_last_grad",
 ]
 
 
@@ -176,6 +177,28 @@ def norm(c: int) -> nn.GroupNorm:
     return nn.GroupNorm(_groups(c), c, eps=1e-6)
 
 
+class _ChannelsLastGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> Tensor:
+        return g.contiguous(memory_format=torch.channels_last)
+
+
+def channels_last_grad(x: Tensor) -> Tensor:
+    """x, whose gradient, when x is channels-last, is handed on channels-last too. For a convolution's
+    output: cuDNN's convolution backward converts its grad_output to its input's layout, and under
+    torch.compile a gradient is laid out by its meta strides (GroupNorm's backward: NCHW), so a
+    channels-last model (the world model's) would copy the gradient once per convolution; with this
+    Inductor writes it channels-last in the first place. x itself (no autograd node) for NCHW x or
+    without autograd (export)."""
+    if x.requires_grad and torch.is_grad_enabled() and x.dim() == 4 and x.shape[1] > 1 and x.stride(1) == 1:
+        return _ChannelsLastGrad.apply(x)
+    return x
+
+
 class ResBlock(nn.Module):
     """Pre-activation residual block: GN-SiLU-conv3x3-GN-SiLU-conv3x3 (+ 1x1 shortcut when widths differ)."""
 
@@ -189,10 +212,11 @@ class ResBlock(nn.Module):
         # the convolutions' inputs in x's layout: GroupNorm's result does not say channels-last (its
         # meta strides are NCHW), so under torch.compile a channels-last model (the world model's) would
         # get NCHW activations and a copy per convolution each way; a no-op for NCHW x
+        # (and their outputs' gradients, channels_last_grad: the sum's is both conv2's and the shortcut's)
         fmt = torch.channels_last if x.stride(1) == 1 and x.shape[1] > 1 else torch.contiguous_format
-        h = self.conv1(F.silu(self.norm1(x)).contiguous(memory_format=fmt))
+        h = channels_last_grad(self.conv1(F.silu(self.norm1(x)).contiguous(memory_format=fmt)))
         h = self.conv2(F.silu(self.norm2(h)).contiguous(memory_format=fmt))
-        return self.shortcut(x) + h
+        return channels_last_grad(self.shortcut(x) + h)
 
 
 class AttnBlock(nn.Module):

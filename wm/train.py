@@ -479,9 +479,8 @@ class WorldStage:
             i, j = int(torch.randint(0, h - ch + 1, ())), int(torch.randint(0, w - cw + 1, ()))
             codes = codes[..., i:i + ch, j:j + cw]
             mask = None if mask is None else mask[..., i:i + ch, j:j + cw]
-        out = model(codes[:, :-1], motion[:, :-1])
-        mask = None if mask is None else mask[:, 1:]
-        res = unwrap(model).loss(out, codes[:, 1:], motion[:, 1:], mask=mask)
+        # the loss inside the forward: one compiled graph with the model (WorldModel.forward)
+        res = model(codes[:, :-1], motion[:, :-1], codes[:, 1:], motion[:, 1:], None if mask is None else mask[:, 1:])
         res["copy_last_acc"] = (codes[:, 1:] == codes[:, :-1]).float().mean()
         return res
 

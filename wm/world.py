@@ -40,7 +40,8 @@ try:  # Triton ships with CUDA builds of torch; without it the temporal attentio
     from wm import temporal_attention_cuda
 except ImportError:
     temporal_attention_cuda = None
-from wm.tokenizer import ResBlock, check_policy, checkpointed, count_parameters, masked_cross_entropy, norm
+from wm.tokenizer import (ResBlock, channels_last_grad, check_policy, checkpointed, count_parameters,
+                          masked_cross_entropy, norm)
 
 # ONNX export must not meet the Triton op. (Not torch.compiler.is_exporting: torch 2.11's Dynamo answers
 # True to it inside torch.compile too, which kept the kernel out of every compiled step.)
@@ -295,7 +296,8 @@ class WorldModel(nn.Module):
     (odd sizes are padded before each stride-2 conv and cropped after each transposed conv).
 
     - forward(codes (B,T,h,w), motion (B,T,3)) -> dict(logits (B,T,K,h,w), motion (B,T,3)); teacher forced,
-      position t predicts frame t+1
+      position t predicts frame t+1; forward(codes, motion, target_codes, target_motion, mask=None) ->
+      loss(...)'s dict (the loss inside the forward, as training calls it)
     - loss(out, target_codes (B,T,h,w), target_motion (B,T,3)) -> dict(loss, ce, motion_l2, acc)
     - window_loss(codes (B,T+1,h,w), motion (B,T+1,3)) -> forward on frames 0..T-1, loss against 1..T,
       plus copy_last_acc (accuracy of copying the previous frame's codes) for reference
@@ -427,14 +429,14 @@ class WorldModel(nn.Module):
             skips.append((x, p))
             if x.shape[-1] % 2 or x.shape[-2] % 2:  # odd sizes only: a zero pad is still a copy
                 x = F.pad(x, (0, x.shape[-1] % 2, 0, x.shape[-2] % 2))
-            x = down(x)
+            x = channels_last_grad(down(x))
         for blk in self.mid_blocks:
             x = self._call(blk, x)
         p = self.mid_pose(p)
         for up, pup, lvl, blocks, pmlp, (sx, sp) in zip(
             self.ups, self.pose_ups, self.dec_levels, self.dec_blocks, self.dec_pose, reversed(skips)
         ):
-            x = up(x)[..., : sx.shape[-2], : sx.shape[-1]]
+            x = channels_last_grad(up(x))[..., : sx.shape[-2], : sx.shape[-1]]
             x = torch.cat([x, sx], 1)
             p = torch.cat([pup(p), sp], -1)
             x, p = self._level(lvl, x, p, b, t, cache)
@@ -451,14 +453,24 @@ class WorldModel(nn.Module):
         return compose_motion(motion, delta)
 
     # -- public API
-    def forward(self, codes: Tensor, motion: Tensor) -> dict[str, Tensor]:
+    def forward(self, codes: Tensor, motion: Tensor, target_codes: Tensor | None = None,
+                target_motion: Tensor | None = None, mask: Tensor | None = None) -> dict[str, Tensor]:
         """Teacher-forced pass. codes (B,T,h,w) integer, motion (B,T,3) float. Returns
-        logits (B,T,K,h,w) for frames 1..T and motion (B,T,3) predicted for frames 1..T."""
+        logits (B,T,K,h,w) for frames 1..T and motion (B,T,3) predicted for frames 1..T; with the
+        targets (what training passes), loss(...)'s terms instead: the loss then is part of the one
+        graph torch.compile makes of the forward (no float32 logits written, their gradient laid out
+        as the logits are)."""
         x, p = self._trunk(codes, motion)
         b, t = codes.shape[:2]
-        logits = self.out_conv(F.silu(self.out_norm(x))).reshape(b, t, self.num_codes, *codes.shape[-2:])
+        logits = channels_last_grad(self.out_conv(F.silu(self.out_norm(x))))
         m = motion.to(p.dtype)
-        return {"logits": logits, "motion": self._next_motion(p, m, displacement(m))}
+        out = {"logits": logits.reshape(b, t, self.num_codes, *codes.shape[-2:]),
+               "motion": self._next_motion(p, m, displacement(m))}
+        if target_codes is None:
+            return out
+        if target_motion is None:
+            raise ValueError("world model: target_codes given without target_motion")
+        return self.loss(out, target_codes, target_motion, mask)
 
     def loss(self, out: dict[str, Tensor], target_codes: Tensor, target_motion: Tensor,
              mask: Tensor | None = None) -> dict[str, Tensor]:
@@ -468,10 +480,14 @@ class WorldModel(nn.Module):
         cfg = self.cfg
         logits = out["logits"]
         target = target_codes.long()
-        if mask is None:
-            ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(0, 1))
-        else:
-            ce = masked_cross_entropy(logits.flatten(0, 1), target.flatten(0, 1), mask.flatten(0, 1))
+        lg, tg, m = logits.flatten(0, 1), target.flatten(0, 1), None if mask is None else mask.flatten(0, 1)
+        rows = lg.permute(0, 2, 3, 1)  # (B*T, h, w, K)
+        if rows.is_contiguous():
+            # channels-last logits (world.channels_last): a cell's K scores are one contiguous row, so the
+            # CE runs over (cells, K) rows; over dim 1 of the (B*T, K, h, w) view torch's log-softmax
+            # would copy the logits to NCHW first, and their gradient back
+            lg, tg, m = rows.reshape(-1, self.num_codes), tg.reshape(-1), None if m is None else m.reshape(-1)
+        ce = F.cross_entropy(lg, tg) if m is None else masked_cross_entropy(lg, tg, m)
         err = out["motion"] - target_motion.to(out["motion"].dtype)
         err = torch.cat([err[..., :2], _wrap(err[..., 2:])], -1)
         l2 = err.pow(2).mean()
