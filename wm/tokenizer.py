@@ -177,6 +177,11 @@ def norm(c: int) -> nn.GroupNorm:
     return nn.GroupNorm(_groups(c), c, eps=1e-6)
 
 
+def _is_channels_last(x: Tensor) -> bool:
+    """A (N, C, H, W) tensor whose channels are adjacent in memory (C > 1: one channel says nothing)."""
+    return x.dim() == 4 and x.shape[1] > 1 and x.stride(1) == 1
+
+
 class _ChannelsLastGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
@@ -194,7 +199,7 @@ def channels_last_grad(x: Tensor) -> Tensor:
     channels-last model (the world model's) would copy the gradient once per convolution; with this
     Inductor writes it channels-last in the first place. x itself (no autograd node) for NCHW x or
     without autograd (export)."""
-    if x.requires_grad and torch.is_grad_enabled() and x.dim() == 4 and x.shape[1] > 1 and x.stride(1) == 1:
+    if x.requires_grad and torch.is_grad_enabled() and _is_channels_last(x):
         return _ChannelsLastGrad.apply(x)
     return x
 
@@ -213,7 +218,7 @@ class ResBlock(nn.Module):
         # meta strides are NCHW), so under torch.compile a channels-last model (the world model's) would
         # get NCHW activations and a copy per convolution each way; a no-op for NCHW x
         # (and their outputs' gradients, channels_last_grad: the sum's is both conv2's and the shortcut's)
-        fmt = torch.channels_last if x.stride(1) == 1 and x.shape[1] > 1 else torch.contiguous_format
+        fmt = torch.channels_last if _is_channels_last(x) else torch.contiguous_format
         h = channels_last_grad(self.conv1(F.silu(self.norm1(x)).contiguous(memory_format=fmt)))
         h = self.conv2(F.silu(self.norm2(h)).contiguous(memory_format=fmt))
         return channels_last_grad(self.shortcut(x) + h)

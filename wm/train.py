@@ -469,7 +469,7 @@ class WorldStage:
             self.model.init_code_embedding(self.tokenizer.codebook)
 
     def loss(self, model: nn.Module, batch: dict) -> dict:
-        # forward through the wrapper (DDP hooks it), the loss terms on the plain module
+        # forward through the wrapper (DDP hooks it, torch.compile traces it), the loss inside it
         codes, motion = batch["codes"].long(), batch["motion"]
         mask = batch["mask"] if "mask" in batch else None  # token cells, with data.use_mask
         c = self.cfg.train.world_crop
@@ -479,7 +479,7 @@ class WorldStage:
             i, j = int(torch.randint(0, h - ch + 1, ())), int(torch.randint(0, w - cw + 1, ()))
             codes = codes[..., i:i + ch, j:j + cw]
             mask = None if mask is None else mask[..., i:i + ch, j:j + cw]
-        # the loss inside the forward: one compiled graph with the model (WorldModel.forward)
+        # with the targets, WorldModel.forward returns the loss terms: one compiled graph with the model
         res = model(codes[:, :-1], motion[:, :-1], codes[:, 1:], motion[:, 1:], None if mask is None else mask[:, 1:])
         res["copy_last_acc"] = (codes[:, 1:] == codes[:, :-1]).float().mean()
         return res
