@@ -31,7 +31,7 @@ import torch
 
 from wm.export.calib import NUM_BINS, HistogramCollector
 from wm.export.qdq import Int8Error
-from wm.logs import eta
+from wm.logs import Progress
 
 _CHUNK = 1 << 25  # values binned at once (bounds the int64 index temporary: 256 MiB)
 
@@ -142,28 +142,6 @@ class _HistTap:
 
 # ---------------------------------------------------------------------------------------------
 # the two passes
-
-
-class Progress:
-    """One console line per phase step at most every `every` seconds: done/total, rate, ETA."""
-
-    def __init__(self, what: str, total: int, unit: str, log: Callable[[str], None] = print, every: float = 10.0):
-        self.what, self.total, self.unit, self.log, self.every = what, total, unit, log, every
-        self.t0 = self.last = time.perf_counter()
-        self.done = 0
-
-    def step(self, n: int = 1) -> None:
-        self.done += n
-        now = time.perf_counter()
-        if now - self.last >= self.every or self.done >= self.total:
-            self.last = now
-            rate = self.done / max(now - self.t0, 1e-9)
-            self.log(f"  {self.what}: {self.done}/{self.total} {self.unit}, {rate:.2f} {self.unit}/s, "
-                     f"ETA {eta((self.total - self.done) / max(rate, 1e-9))}")
-
-    @property
-    def seconds(self) -> float:
-        return time.perf_counter() - self.t0
 
 
 def collect(make_engine: Callable[[Callable], Callable], wanted: Mapping[str, Sequence[str]], cfg, ds,

@@ -74,16 +74,18 @@ class TorchGraphs:
 
 class OrtGraphs:
     """The graphs as ONNX files in onnxruntime: {graph name: path}; inputs and outputs as CPU torch
-    tensors. One session per file, made on first use."""
+    tensors. One session per file, made on first use. `qdq_in_float`: Q/DQ graphs run as their ONNX
+    semantics, not onnxruntime's integer kernels (wm.export.onnx.session)."""
 
-    def __init__(self, files: Mapping[str, Path], threads: int = 0):
+    def __init__(self, files: Mapping[str, Path], threads: int = 0, qdq_in_float: bool = False):
         self.files, self.threads, self.sessions = dict(files), threads, {}
+        self.qdq_in_float = qdq_in_float
 
     def session(self, name: str):
         if name not in self.sessions:
             from wm.export.onnx import session
 
-            self.sessions[name] = session(self.files[name], self.threads)
+            self.sessions[name] = session(self.files[name], self.threads, self.qdq_in_float)
         return self.sessions[name]
 
     def __call__(self, name: str, *inputs: Tensor) -> tuple:

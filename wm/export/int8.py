@@ -16,8 +16,11 @@ TensorRT's EntropyCalibrator2) and handed to TensorRT in the graph itself:
    for continuous activations, clips whole table rows and the informative motion tails.
 3. ``wm.export.qdq.quantize_qdq``: the Q/DQ ONNX (onnxruntime's quantizer with our scales as
    overrides), checked scale by scale.
-4. :func:`int8_export` writes ``<name>.int8.onnx``, ``<name>.calib.cache`` (TensorRT's text format,
-   same scales, ONNX tensor names) and ``<name>.calib.json`` (per-tensor amax/max/scale/rule).
+4. :func:`int8_export` writes ``<name>.int8.onnx`` (TensorRT's: int8 weights per channel over the
+   full range), ``<name>.int8-ort.onnx`` (onnxruntime's copy, ``wm.export.qdq.cpu_copy``: MatMul
+   weights within +-64, where onnxruntime's CPU integer kernels are exact on every x86 CPU),
+   ``<name>.calib.cache`` (TensorRT's text format, same scales, ONNX tensor names) and
+   ``<name>.calib.json`` (per-tensor amax/max/scale/rule).
 5. ``wm.export.report``: IoU/mIoU per future step on held-out windows (the run's VAL split) end to
    end through the host loop, for PyTorch FP32, FP16, INT8 and copy-last.
 
@@ -40,9 +43,10 @@ import numpy as np
 from wm.atomic import write_bytes
 from wm.export.calib import threshold_job, trt_version_number, write_cache
 from wm.export.collect import TappedOrt, collect, windows
-from wm.export.qdq import (FLOAT_OP_TYPES, HEAD_SCOPES, QUANT_OP_TYPES, Int8Error, _load, _scope,  # noqa: F401
-                           exact_range_tensors, output_heads, qdq_scales, quantizable_inputs, quantize_qdq)
-from wm.export.report import GRAPHS as GRAPH_NAMES, accuracy_report, format_report  # noqa: F401
+from wm.export.qdq import (FLOAT_OP_TYPES, HEAD_SCOPES, ORT_WEIGHT_MAX, QUANT_OP_TYPES, Int8Error, _load,  # noqa: F401
+                           _scope, cpu_copy, exact_range_tensors, output_heads, qdq_scales, quantizable_inputs,
+                           quantize_qdq)
+from wm.export.report import CPU_INT8, GRAPHS as GRAPH_NAMES, accuracy_report, format_report  # noqa: F401
 
 
 __all__ = ["FLOAT_OP_TYPES", "HEAD_SCOPES", "QUANT_OP_TYPES", "GRAPH_NAMES", "Int8Error", "quantizable_inputs",
@@ -153,8 +157,8 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
     """For each graph `<name>.onnx` in `out_dir` (written by the FP32 export): collect histograms on
     `calib_windows` training windows (engine: see :func:`pick_engine`; "torch" needs `programs`,
     the exported programs export_graph returned), pick the thresholds (`method`: "entropy" =
-    TensorRT's EntropyCalibrator2; "percentile" 99.99; "max"), write `<name>.int8.onnx` (Q/DQ),
-    `<name>.calib.cache` (TensorRT `TRT-<ver>-EntropyCalibration2` text) and `<name>.calib.json`
+    TensorRT's EntropyCalibrator2; "percentile" 99.99; "max"), write `<name>.int8.onnx` (Q/DQ,
+    TensorRT's), `<name>.int8-ort.onnx` (onnxruntime's copy, qdq.cpu_copy), `<name>.calib.cache` (TensorRT `TRT-<ver>-EntropyCalibration2` text) and `<name>.calib.json`
     (amax, exact max and scale per tensor). Tensors whose range is the data's
     (exact_range_tensors: table lookups, the ego-motion inputs) take their exact max whatever the
     method. Returns a JSON-ready dict of what was written, with the seconds of each phase.
@@ -231,6 +235,7 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
         mark("int8_thresholds")
         skip = [n.name for n in model.graph.node if exclude_scopes and re.search(exclude_scopes, _scope(n))]
         info = quantize_qdq(out_dir / f"{g}.onnx", out_dir / f"{g}.int8.onnx", thresholds, nodes_to_exclude=skip)
+        reduced = cpu_copy(out_dir / f"{g}.int8.onnx", model, out_dir / f"{g}{CPU_INT8}.onnx")
         scales = info["scales"]
         cache = out_dir / f"{g}.calib.cache"
         write_cache(cache, {t: scales[t] for t in tens if t in scales}, version)
@@ -246,6 +251,8 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
         clipped = [thresholds[t] / col.amax(t) for t in scales if col.amax(t) > 0]
         res["graphs"][g] = {
             "file": f"{g}.int8.onnx", "bytes": (out_dir / f"{g}.int8.onnx").stat().st_size,
+            "onnxruntime_file": f"{g}{CPU_INT8}.onnx", "onnxruntime_weights_within": ORT_WEIGHT_MAX,
+            "onnxruntime_weights_reduced": reduced,
             "cache": cache.name, "thresholds_file": f"{g}.calib.json",
             "tensors_collected": len(col.names()), "tensors_quantized": len(scales),
             "exact_range_at_max": {t: exact[t] for t in scales if t in exact},
@@ -257,7 +264,8 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
             "seconds": {"thresholds": round(t3 - t2, 2), "qdq": round(t4 - t3, 2)},
         }
         log(f"{g + '.int8':<22}{len(scales):4d} activations, {info['weights']:3d} weights int8, "
-            f"{len(info['float_nodes'])} heads/nodes float   cache {cache.name}   "
+            f"{len(info['float_nodes'])} heads/nodes float ({reduced} within +-{ORT_WEIGHT_MAX} in {g}{CPU_INT8}.onnx)   "
+            f"cache {cache.name}   "
             f"thresholds {t3 - t2:5.1f} s, Q/DQ {t4 - t3:5.1f} s")
     res["seconds"].update({"thresholds": round(t_thr, 2), "qdq": round(t_qdq, 2),
                            "total": round(time.perf_counter() - t0, 2)})

@@ -372,15 +372,19 @@ def dedupe_nodes(model) -> int:
     return dropped
 
 
-def session(path: Path, threads: int = 0):
+def session(path: Path, threads: int = 0, qdq_in_float: bool = False):
     """An onnxruntime CPU session. Its memory arena is off: with it, each session keeps the largest
     activations it ever held, and the report holds a session per graph and row (FP32, FP16, INT8),
     which at the occworld size reached 17.9 GiB of host memory (BENCHMARKS.md). Without it the
-    memory of a run is freed when the run ends."""
+    memory of a run is freed when the run ends. `qdq_in_float`: no Q/DQ fusion into integer kernels,
+    so a Q/DQ graph computes its ONNX semantics (float ops on dequantized values), what TensorRT
+    computes from it, on every CPU."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.enable_cpu_mem_arena = False
+    if qdq_in_float:
+        so.add_session_config_entry("session.disable_quant_qdq", "1")
     if threads:
         so.intra_op_num_threads = threads
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])

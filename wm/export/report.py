@@ -4,12 +4,17 @@ split), end to end through the deployed host loop (wm.export.forecast), for each
 Rows (IoU / mIoU in percent per future step, averaged; drops against PyTorch FP32):
 
 - ``pytorch_fp32``: the PyTorch modules (on the GPU where the torch engine runs);
-- ``onnx_fp32`` / ``onnx_fp16`` / ``onnx_int8``: the ONNX graphs. Engine ``onnxruntime``: the files
-  themselves in onnxruntime on the CPU. Engine ``torch`` (the default where a GPU is present, so that
-  the report at the `occworld` size takes minutes): INT8 is the Q/DQ file's quantization applied to
-  the exported program on the GPU (its scales bit for bit, its int8 weights; wm.export.forecast.QdqPlan),
-  FP16 the modules under float16 autocast, and ``parity`` runs onnxruntime on the first
-  `parity_windows` windows and gives its voxel agreement with the torch rows (FP32, INT8);
+- ``onnx_fp32`` / ``onnx_fp16``: the ONNX graphs; ``onnx_int8``: TensorRT's Q/DQ files
+  (``.int8.onnx``) as their ONNX semantics define them (float ops on dequantized values, what
+  TensorRT computes); ``onnx_int8_ort``: onnxruntime's copies (``.int8-ort.onnx``) in onnxruntime's
+  integer kernels, exact on every x86 CPU (wm.export.qdq.cpu_copy). Engine ``onnxruntime``: the
+  files themselves in onnxruntime on the CPU (``onnx_int8`` with its Q/DQ fusion off, so that no
+  CPU's integer kernel stands in for TensorRT's). Engine ``torch`` (the default where a GPU is
+  present, so that the report at the `occworld` size takes minutes): each INT8 row is its Q/DQ
+  file's quantization applied to the exported program on the GPU (its scales bit for bit, its int8
+  weights; wm.export.forecast.QdqPlan), FP16 the modules under float16 autocast, and ``parity`` runs
+  onnxruntime on the first `parity_windows` windows and gives its voxel agreement with the torch
+  rows (FP32 and both INT8 files);
 - ``copy_last``: the last past frame repeated, the floor beside every number.
 
 Each row also has its voxel agreement with PyTorch FP32 and its time per window in its engine, and
@@ -31,13 +36,25 @@ import torch
 
 from wm.export.qdq import Int8Error
 
-VARIANTS = ("pytorch_fp32", "onnx_fp32", "onnx_fp16", "onnx_int8", "copy_last")
+VARIANTS = ("pytorch_fp32", "onnx_fp32", "onnx_fp16", "onnx_int8", "onnx_int8_ort", "copy_last")
 GRAPHS = ("tokenizer_encode", "world_step", "tokenizer_decode")
+CPU_INT8 = ".int8-ort"  # onnxruntime's INT8 copies (wm.export.qdq.cpu_copy)
+# row -> (file kind, onnxruntime runs its Q/DQ as float ops)
+ROW_FILES = {"onnx_fp32": ("", False), "onnx_fp16": (".fp16", False), "onnx_int8": (".int8", True),
+             "onnx_int8_ort": (CPU_INT8, False)}
 
 
 def graph_files(out_dir: Path, kind: str = "") -> dict[str, Path]:
-    """{graph: <out_dir>/<graph><kind>.onnx}, kind '' (FP32), '.fp16' or '.int8'."""
+    """{graph: <out_dir>/<graph><kind>.onnx}, kind '' (FP32), '.fp16', '.int8' or CPU_INT8."""
     return {g: Path(out_dir) / f"{g}{kind}.onnx" for g in GRAPHS}
+
+
+def ort_row(out_dir: Path, row: str):
+    """A row's files in onnxruntime, run as the row defines them (ROW_FILES)."""
+    from wm.export.forecast import OrtGraphs
+
+    kind, qdq_in_float = ROW_FILES[row]
+    return OrtGraphs(graph_files(out_dir, kind), qdq_in_float=qdq_in_float)
 
 
 def _num(x):
@@ -46,27 +63,31 @@ def _num(x):
 
 def _engines(trained, out_dir: Path, engine: str, device, programs) -> dict[str, tuple[Callable, str]]:
     """{row: (run_graph, what runs it)} for the rows this engine computes."""
-    from wm.export.forecast import OrtGraphs, ProgramGraphs, QdqPlan, TorchGraphs
+    from wm.export.forecast import ProgramGraphs, QdqPlan, TorchGraphs
     from wm.export.onnx import graphs
     from wm.export.qdq import _load
 
-    files = {k: graph_files(out_dir, s) for k, s in (("onnx_fp32", ""), ("onnx_fp16", ".fp16"), ("onnx_int8", ".int8"))}
+    files = {row: graph_files(out_dir, kind) for row, (kind, _) in ROW_FILES.items()}
     dev = torch.device(device)
     rows = {"pytorch_fp32": (TorchGraphs(graphs(trained), dev), f"torch {dev.type}")}
     if engine == "onnxruntime":
+        what = {"onnx_int8": "onnxruntime cpu, Q/DQ as float ops (the file's ONNX semantics, as TensorRT)",
+                "onnx_int8_ort": "onnxruntime cpu int8 kernels"}
         for v, f in files.items():
             if all(p.is_file() for p in f.values()):
-                rows[v] = (OrtGraphs(f), "onnxruntime cpu")
+                rows[v] = (ort_row(out_dir, v), what.get(v, "onnxruntime cpu"))
         return rows
     if all(p.is_file() for p in files["onnx_fp16"].values()):
         rows["onnx_fp16"] = (TorchGraphs(graphs(trained), dev, fp16=True), f"torch {dev.type} float16 autocast")
-    plans = {g: QdqPlan(_load(p)) for g, p in files["onnx_int8"].items()}
-    unmapped = {g: p.unmapped for g, p in plans.items() if p.unmapped}
-    if unmapped:
-        g, names = next(iter(unmapped.items()))
-        raise Int8Error(f"{g}.int8.onnx: quantized nodes {names[:3]} have no exported-program node to emulate "
-                        "them on; use --engine onnxruntime")
-    rows["onnx_int8"] = (ProgramGraphs(programs, dev, plans=plans), f"torch {dev.type} (Q/DQ of the .int8.onnx files emulated)")
+    for v in ("onnx_int8", "onnx_int8_ort"):
+        plans = {g: QdqPlan(_load(p)) for g, p in files[v].items()}
+        unmapped = {g: p.unmapped for g, p in plans.items() if p.unmapped}
+        if unmapped:
+            g, names = next(iter(unmapped.items()))
+            raise Int8Error(f"{files[v][g].name}: quantized nodes {names[:3]} have no exported-program node to "
+                            "emulate them on; use --engine onnxruntime")
+        rows[v] = (ProgramGraphs(programs, dev, plans=plans),
+                   f"torch {dev.type} (Q/DQ of the {ROW_FILES[v][0]}.onnx files emulated)")
     return rows
 
 
@@ -78,7 +99,7 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
     split, evenly spread; see the module docstring for the rows. `programs` ({graph:
     ExportedProgram}, what export_graph returned) is needed by engine "torch". JSON-ready."""
     from wm.export.collect import Progress, batches, windows
-    from wm.export.forecast import OrtGraphs, forecast
+    from wm.export.forecast import forecast
     from wm.metrics import ConfusionMatrix, copy_last
 
     out_dir = Path(out_dir)
@@ -87,9 +108,10 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
     for g, f in graph_files(out_dir).items():
         if not f.is_file():
             raise Int8Error(f"{f} does not exist; run the FP32 export first")
-    for g, f in graph_files(out_dir, ".int8").items():
-        if not f.is_file():
-            raise Int8Error(f"{f} does not exist; run the INT8 step (int8_export) first")
+    for kind in (".int8", CPU_INT8):
+        for g, f in graph_files(out_dir, kind).items():
+            if not f.is_file():
+                raise Int8Error(f"{f} does not exist; run the INT8 step (export.py --int8) first")
     if engine == "torch" and not programs:
         raise Int8Error("the torch engine needs the exported programs of this export (export.py passes them)")
     rows = _engines(trained, out_dir, engine, device, programs)
@@ -101,7 +123,7 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
     agree = {v: [0, 0] for v in variants}
     secs = dict.fromkeys(rows, 0.0)
     parity = {"windows": 0}
-    ort = {v: OrtGraphs(f) for v, f in (("onnx_fp32", graph_files(out_dir)), ("onnx_int8", graph_files(out_dir, ".int8")))} \
+    ort = {v: ort_row(out_dir, v) for v in ("onnx_fp32", "onnx_int8", "onnx_int8_ort")} \
         if engine == "torch" and parity_windows > 0 else {}
     par = {v: [0, 0] for v in ort}
     prog = Progress("report", len(idx), "windows", log)
@@ -163,6 +185,7 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
     if ort:  # onnxruntime on the files vs the torch rows, voxel by voxel
         parity["onnx_fp32_vs_pytorch_fp32"] = par["onnx_fp32"][0] / max(par["onnx_fp32"][1], 1)
         parity["onnx_int8_vs_emulated_int8"] = par["onnx_int8"][0] / max(par["onnx_int8"][1], 1)
+        parity["onnx_int8_ort_vs_emulated_int8_ort"] = par["onnx_int8_ort"][0] / max(par["onnx_int8_ort"][1], 1)
     fp = trained.data_fingerprint
     res = {"split": split, "windows": int(len(idx)), "data_root": str(root), "future_steps": S,
            "data_fingerprint_matches_checkpoint": (ds.fingerprint == fp) if fp else None,
@@ -228,6 +251,7 @@ def format_report(d: Mapping) -> str:
         ms = f"{r['ms_per_window']:8.1f}" if "ms_per_window" in r else f"{'-':>8}"
         lines.append(f"{v:<14}      {iou} {f(r['iou_avg'])} |      {miou} {f(r['miou_avg'])} | "
                      f"{pm(r, 'iou')} {pm(r, 'miou')} | {f(r['agreement_vs_pytorch'], 6, 4)} | {ms}")
+    lines.append("computed by: " + "; ".join(f"{v} {r['engine']}" for v, r in d["models"].items() if "engine" in r))
     if "parity" in d:
         p = d["parity"]
         lines.append(f"parity on {p['windows']} windows (voxels equal): " +
