@@ -508,3 +508,23 @@ def test_a_horizon_the_model_cannot_reach_by_more_frames_says_to_train_at_a_larg
         E.horizon_steps((1, 2, 3), 10, 1, 6, longest=12)
     with pytest.raises(WMError, match=r"evaluate with --set data\.future=30"):
         E.horizon_steps((1, 2, 3), 10, 1, 6, longest=40)
+
+
+def test_evaluation_logs_progress_with_rate_and_eta(monkeypatch):
+    """A validation says how far it is, its rate and ETA, at most every 10 s and once at the end;
+    only rank 0 speaks."""
+    import wm.logs
+    from wm import distributed as D
+    from wm.evaluate import eval_batches
+
+    clock = iter(range(0, 1000, 4))  # every batch takes 4 s
+    monkeypatch.setattr(wm.logs.time, "perf_counter", lambda: float(next(clock)))
+    ds = [{"occ": torch.zeros(2)} for _ in range(9)]
+    lines = []
+    got = sum(len(b["occ"]) for b in eval_batches(ds, D.Dist(), 2, progress="world validation", log=lines.append))
+    assert got == 9
+    assert lines[-1].strip().startswith("world validation: 9/9 windows,") and "windows/s, ETA 0m00s" in lines[-1]
+    assert 2 <= len(lines) < 5 and all("ETA" in ln for ln in lines)
+    lines.clear()
+    list(eval_batches(ds, D.Dist(rank=1, world_size=2), 2, progress="world validation", log=lines.append))
+    assert lines == []

@@ -203,3 +203,4 @@ def test_eta():
     assert eta(-5) == "0m00s"
     assert eta(61.9) == "1m01s"
     assert eta(3600 + 120 + 5) == "1h02m"
+

@@ -3,6 +3,7 @@ saves, non-finite steps, refusals (new data, changed config, grid/class mismatch
 metrics.jsonl, summary.json. Everything runs on a tiny synthetic data set and tiny models (see
 conftest.py: `tiny`)."""
 
+import dataclasses
 import errno
 import json
 import math
@@ -531,14 +532,21 @@ def test_tensorboard_events_hold_the_expected_tags(logged_run):
     ea = EventAccumulator(str(logged_run / "tb"), size_guidance={"scalars": 0, "images": 0})
     ea.Reload()
     tags = ea.Tags()
-    for t in ("loss/loss", "train/lr", "perf/samples_per_s", "perf/data_wait_frac", "train/grad_norm",
-              "val/iou", "val/miou", "val/copy_last_iou", "val/iou_t1", "val/miou_t2"):
-        assert t in tags["scalars"], (t, tags["scalars"])
-    assert "val/recon_gt_top_pred_bottom" in tags["images"], tags["images"]
-    assert "val/forecast_gt_top_pred_bottom" in tags["images"], tags["images"]
-    lr = ea.Scalars("train/lr")
+    for stage in ("tokenizer", "world"):  # each stage's curves under its name: both count steps from 1
+        for t in ("loss/loss", "train/lr", "perf/samples_per_s", "perf/data_wait_frac", "train/grad_norm",
+                  "val/iou", "val/miou"):
+            assert f"{stage}/{t}" in tags["scalars"], (stage, t, tags["scalars"])
+    for t in ("val/copy_last_iou", "val/iou_t1", "val/miou_t2"):
+        assert f"world/{t}" in tags["scalars"], (t, tags["scalars"])
+    assert all(t.split("/")[0] in ("tokenizer", "world") for t in tags["scalars"]), tags["scalars"]
+    for t in tags["scalars"]:  # one stage per curve: its steps only rise
+        steps = [e.step for e in ea.Scalars(t)]
+        assert steps == sorted(set(steps)), (t, steps)
+    assert "tokenizer/val/recon_gt_top_pred_bottom" in tags["images"], tags["images"]
+    assert "world/val/forecast_gt_top_pred_bottom" in tags["images"], tags["images"]
+    lr = ea.Scalars("tokenizer/train/lr") + ea.Scalars("world/train/lr")
     assert len(lr) == 8 and all(math.isfinite(e.value) and e.value > 0 for e in lr)  # 4 + 4 steps
-    img = ea.Images("val/recon_gt_top_pred_bottom")[0]
+    img = ea.Images("tokenizer/val/recon_gt_top_pred_bottom")[0]
     assert img.width > 0 and img.height > 0 and img.encoded_image_string[:4] == b"\x89PNG"
 
 
@@ -715,6 +723,17 @@ def test_logged_rate_leaves_out_the_validation_time(tiny, restore_signals, one_t
     batch = 2  # tiny's data.batch_size
     # step 3's interval holds the step 2 validation if the timer is not paused: then < batch / 2 s
     assert rates[3] > batch / 1.0, rates
+
+
+def test_training_log_states_device_and_precision(tiny, restore_signals, capsys, monkeypatch):
+    """The log's first lines say where the run trains and in which precision, and why (amp=auto)."""
+    assert T.main(tiny.args(tokenizer_stage__max_steps=1)) == 0
+    assert f"training: 1 rank on cpu ({torch.get_num_threads()} thread" in capsys.readouterr().out
+    assert "), fp32 (train.amp=fp32)" in T.device_line(T.Config(train=dataclasses.replace(
+        T.Config().train, amp="fp32")), T.D.Dist(), torch.device("cpu"), None)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert T.device_line(T.Config(), T.D.Dist(), torch.device("cpu"), None).endswith(
+        "fp32 (train.amp=auto: no AMX on this CPU)")
 
 
 def test_auto_precision_is_bf16_on_cuda_and_on_cpus_with_amx(monkeypatch):

@@ -53,6 +53,7 @@ from wm.checkpoint import load_checked as load_ckpt, newest_valid, sha256_file
 from wm.config import Config, DataConfig, to_dict
 from wm.data import OccWindows, check_against_config, ignore_stop_signals, resolve_root, start_workers
 from wm.errors import DataError, WMError
+from wm.logs import Progress
 from wm.metrics import MODES, OCCWORLD_STEPS, ConfusionMatrix, copy_last
 from wm.tokenizer import Tokenizer
 from wm.world import WorldModel
@@ -87,14 +88,20 @@ def autocast(device: torch.device, dtype: Optional[torch.dtype]):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def eval_batches(ds, d: D.Dist, batch_size: int, num_workers: int = 0, pin_memory: bool = False):
+def eval_batches(ds, d: D.Dist, batch_size: int, num_workers: int = 0, pin_memory: bool = False,
+                 progress: str = "", log=print):
     """This rank's share of the evaluation windows (every world_size-th, no padding: the counts
-    are all-reduced after, so every window is scored exactly once)."""
+    are all-reduced after, so every window is scored exactly once). With `progress` (what is
+    evaluated), rank 0 logs a line with its rate and ETA at most every 10 s."""
     idx = list(range(d.rank, len(ds), d.world_size))
     loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, sampler=idx,
                                          num_workers=min(num_workers, 2), worker_init_fn=ignore_stop_signals,
                                          pin_memory=pin_memory and torch.cuda.is_available())
-    yield from start_workers(loader)
+    bar = Progress(progress, len(idx), "windows", log) if progress and d.is_main else None
+    for batch in start_workers(loader):
+        yield batch
+        if bar is not None:
+            bar.step(len(next(iter(batch.values()))))
 
 
 def frames_config(data: DataConfig, use_mask: bool = False) -> DataConfig:
@@ -589,7 +596,8 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
         _, p, st = next(x for x in plan if x[0] == "tokenizer")
         tok = _build(Tokenizer, st, p, cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid)).to(device).eval()
         ds = OccWindows(root, split, frames_config(cfg.data, use_mask=field is not None))
-        r = reconstruction(tok, eval_batches(ds, d, bs["tokenizer"], cfg.data.num_workers, cfg.data.pin_memory),
+        batches = eval_batches(ds, d, bs["tokenizer"], cfg.data.num_workers, cfg.data.pin_memory, "tokenizer", say)
+        r = reconstruction(tok, batches,
                            d, device, dtype, cfg.data.num_classes, cfg.data.free_class)
         rep["tokenizer"] = {"checkpoint": str(p), "step": st.get("step"), "sha256": sha256_file(p),
                             "data_fingerprint": st.get("data_fingerprint"), "frames": len(ds),
@@ -604,7 +612,8 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
         tok = tok.to(device).eval().requires_grad_(False)
         world = _build(WorldModel, st, p, cfg.world, cfg.tokenizer.codebook_size).to(device).eval()
         ds = OccWindows(root, split, dataclasses.replace(cfg.data, use_mask=field is not None))
-        f = forecast(tok, world, eval_batches(ds, d, bs["world"], cfg.data.num_workers, cfg.data.pin_memory),
+        batches = eval_batches(ds, d, bs["world"], cfg.data.num_workers, cfg.data.pin_memory, "world", say)
+        f = forecast(tok, world, batches,
                      d, device, dtype, cfg.data.past, cfg.data.future, cfg.data.num_classes, cfg.data.free_class,
                      given_motion=cfg.train.forecast_motion == "given")
         rep["world"] = {"checkpoint": str(p), "step": st.get("step"), "sha256": sha256_file(p),

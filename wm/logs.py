@@ -66,14 +66,17 @@ class Logger:
             self._jsonl = None
 
     def scalars(self, step: int, values: dict[str, float], kind: str = "train") -> None:
-        """One record: TensorBoard scalars under their names, and a line in metrics.jsonl."""
+        """One record: TensorBoard scalars under their names, and a line in metrics.jsonl. A kind
+        '<stage>/<what>' files the TensorBoard scalars under '<stage>/': each stage counts its own
+        steps, so two stages under one name would zig-zag in one curve."""
         if not self.enabled:
             return
         if self._tb is not None:
+            scope = kind.partition("/")[0] + "/" if "/" in kind else ""
             try:
                 for k, v in values.items():
                     if v is not None and math.isfinite(float(v)):
-                        self._tb.add_scalar(k, float(v), step)
+                        self._tb.add_scalar(scope + k, float(v), step)
             except Exception as e:
                 self._fail("tensorboard", e)
         if self._jsonl is not None:
@@ -146,3 +149,25 @@ def eta(seconds: float) -> str:
     h, r = divmod(seconds, 3600)
     m, s = divmod(r, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class Progress:
+    """One console line per phase step at most every `every` seconds: done/total, rate, ETA."""
+
+    def __init__(self, what: str, total: int, unit: str, log=print, every: float = 10.0):
+        self.what, self.total, self.unit, self.log, self.every = what, total, unit, log, every
+        self.t0 = self.last = time.perf_counter()
+        self.done = 0
+
+    def step(self, n: int = 1) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if now - self.last >= self.every or self.done >= self.total:
+            self.last = now
+            rate = self.done / max(now - self.t0, 1e-9)
+            self.log(f"  {self.what}: {self.done}/{self.total} {self.unit}, {rate:.2f} {self.unit}/s, "
+                     f"ETA {eta((self.total - self.done) / max(rate, 1e-9))}")
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.t0

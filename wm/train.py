@@ -96,6 +96,19 @@ def amp_dtype(cfg: Config, device: torch.device) -> Optional[torch.dtype]:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[amp]
 
 
+def device_line(cfg: Config, d: D.Dist, device: torch.device, dtype) -> str:
+    """What trains and in which precision, for the log's first lines: '1 rank on cpu (2 threads), fp32
+    (train.amp=auto: no AMX on this CPU)'."""
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''}")
+    prec = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    why = cfg.train.amp
+    if why == "auto":
+        why = "auto" if device.type == "cuda" else f"auto: {'AMX' if cpu_has_amx() else 'no AMX'} on this CPU"
+    return (f"{d.world_size} rank{'s' if d.world_size != 1 else ''} on {device.type} ({where}), {prec} "
+            f"(train.amp={why})")
+
+
 def lr_factor(step: int, total: int, s: StageConfig) -> float:
     """Linear warm-up to lr, then cosine to min_lr at `total` steps (as a multiple of lr)."""
     if s.warmup_steps and step < s.warmup_steps:
@@ -436,7 +449,7 @@ class TokenizerStage:
     def evaluate(self, model: nn.Module, d: D.Dist, dtype, device) -> tuple[dict, list]:
         cfg = self.cfg
         batches = eval_batches(self.val_ds, d, self.scfg.batch_size or cfg.data.batch_size,
-                               cfg.data.num_workers, cfg.data.pin_memory)
+                               cfg.data.num_workers, cfg.data.pin_memory, "tokenizer validation", self.run.say)
         r = reconstruction(unwrap(model), batches, d, device, dtype, cfg.data.num_classes, cfg.data.free_class,
                            keep_first=d.is_main and cfg.train.images)
         pics = [("val/recon_gt_top_pred_bottom", r.first)] if r.first else []
@@ -504,7 +517,7 @@ class WorldStage:
         cfg = self.cfg
         S = cfg.data.future
         batches = eval_batches(self.val_ds, d, self.scfg.batch_size or cfg.data.batch_size,
-                               cfg.data.num_workers, cfg.data.pin_memory)
+                               cfg.data.num_workers, cfg.data.pin_memory, "world validation", self.run.say)
         f = forecast(self.tokenizer, unwrap(model), batches, d, device, dtype, cfg.data.past, S,
                      cfg.data.num_classes, cfg.data.free_class,
                      given_motion=cfg.train.forecast_motion == "given", keep_first=d.is_main and cfg.train.images)
@@ -984,7 +997,7 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
             evaluated = True
             log.scalars(step, last_val, kind=f"{stage.name}/val")
             for tag, frames in pics:  # BEV pictures in the data set's colours, with a legend
-                log.image(tag, step, bev_pair(frames, run.manifest.info))
+                log.image(f"{stage.name}/{tag}", step, bev_pair(frames, run.manifest.info))
             v = last_val.get(s.best_metric)
             if v is None:
                 raise WMError(f"{stage.name}_stage.best_metric {s.best_metric!r} is not a validation "
@@ -1187,6 +1200,7 @@ def main(argv=None) -> int:
                   allow_changed=tuple(k.strip() for k in args.allow_changed.split(",") if k.strip()))
         if run.resuming:
             run.say(f"resuming run {run.dir}")
+        run.say(f"training: {device_line(cfg, d, device, dtype)}")
         check_stages(run)
         t0 = time.time()
         results = {}
