@@ -819,6 +819,10 @@ def compiled(ddp: nn.Module, cfg: Config, inductor: Optional[dict] = None) -> nn
     stage's `inductor_options()`; they hold for this model's compilation only)."""
     if not cfg.train.compile:
         return ddp
+    if isinstance(ddp, nn.parallel.DistributedDataParallel):
+        # one graph, the one a single GPU runs: Dynamo's DDP graph splitting hands each piece
+        # layouts its neighbours do not produce, and one piece's backward read out of bounds
+        torch._dynamo.config.optimize_ddp = False
     if not inductor:
         return torch.compile(ddp, mode=cfg.train.compile_mode)
     # torch.compile takes a mode or options, not both: a mode is a set of options
