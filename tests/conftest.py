@@ -203,6 +203,23 @@ def trained_tiny(tiny_factory):
 
 
 @pytest.fixture(scope="module")
+def ev(trained_tiny, tmp_path_factory):
+    """A copy of trained_tiny's run folder (both stages, 2 + 2 steps, 2 past + 2 future frames at
+    2 Hz) and `args(*flags, **settings)`: the train.py --eval-only arguments for it."""
+    import shutil
+    from types import SimpleNamespace
+
+    base = tmp_path_factory.mktemp("ev")
+    shutil.copytree(trained_tiny.run_dir(), base / "runs" / "r")
+
+    def args(*flags, **over):
+        return trained_tiny.args(train__stages="tokenizer,world", run__out_dir=str(base / "runs"),
+                                 **over) + ["--eval-only", *flags]
+
+    return SimpleNamespace(t=trained_tiny, base=base, run=base / "runs" / "r", args=args)
+
+
+@pytest.fixture(scope="module")
 def one_thread():
     """In-process runs on one intra-op thread, as the subprocesses (OMP_NUM_THREADS=1): on a small
     shared machine two spinning OpenMP threads make these tiny convolutions 10x slower."""
