@@ -34,7 +34,7 @@ from wm.evaluate import autocast
 from wm.tokenizer import Tokenizer
 from wm.world import WorldModel
 
-__all__ = ["Forecaster", "Prediction", "DTYPES"]
+__all__ = ["Forecaster", "Prediction", "DTYPES", "prepare_inputs"]
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # name -> autocast dtype
 
@@ -86,6 +86,69 @@ def _array(x, what: str) -> np.ndarray:
     return x
 
 
+def _poses(p: np.ndarray, what: str, batched: bool, B: int, n: int, per: str) -> np.ndarray:
+    """(B, n, 4, 4) float64 from (B, n, 4, 4) or, unbatched, (n, 4, 4); one pose per `per`."""
+    if p.shape[-2:] != (4, 4) or p.ndim != (4 if batched else 3):
+        lead = "(B, N, 4, 4)" if batched else "(N, 4, 4)"
+        raise WMError(f"{what} must be 4x4 ego->global matrices {lead} like the occupancy's batch, "
+                      f"got shape {p.shape}")
+    if not np.issubdtype(p.dtype, np.number) or np.iscomplexobj(p):
+        raise WMError(f"{what} must be real numbers, got dtype {p.dtype}")
+    p = p.astype(np.float64, copy=False)
+    if not batched:
+        p = p[None]
+    if p.shape[0] != B:
+        raise WMError(f"{what} are for {p.shape[0]} windows but the occupancy holds {B}")
+    if p.shape[1] != n:
+        raise WMError(f"{p.shape[1]} {what} for {n} {per}s; give one 4x4 pose per {per}")
+    if not np.isfinite(p).all():
+        raise WMError(f"{what} are not finite (NaN or inf)")
+    return p
+
+
+def prepare_inputs(cfg: Config, device: torch.device, past_occ, past_poses, future_poses=None,
+                   steps: Optional[int] = None):
+    """Forecaster's inputs checked (one-line WMError) and on `device`: occupancy uint8 (B, P, X, Y, Z),
+    past motion (B, P, 3), future motion (B, S, 3) or None, S, and whether the input was batched /
+    numpy. Motion from the poses as the training windows get it (wm.data.relative_motion)."""
+    as_numpy = isinstance(past_occ, np.ndarray)
+    occ = torch.from_numpy(past_occ) if as_numpy else past_occ
+    if not isinstance(occ, torch.Tensor):
+        raise WMError(f"past occupancy must be a numpy array or torch tensor, got {type(past_occ).__name__}")
+    grid = tuple(cfg.data.grid)
+    if occ.dim() not in (4, 5) or tuple(occ.shape[-3:]) != grid:
+        g = ", ".join(map(str, grid))
+        raise WMError(f"past occupancy must be (B, P, {g}) or (P, {g}) class ids, got shape {tuple(occ.shape)}")
+    if occ.is_floating_point() or occ.is_complex() or occ.dtype == torch.bool:
+        raise WMError(f"past occupancy must hold integer class ids (uint8 or another integer type), got {occ.dtype}")
+    batched = occ.dim() == 5
+    occ = occ if batched else occ[None]
+    B, P = occ.shape[:2]
+    if P < 1 or B < 1:
+        raise WMError(f"past occupancy of shape {tuple(occ.shape)}: give at least one past frame of one window")
+    if P > cfg.world.max_frames:
+        raise WMError(f"{P} past frames exceed this model's world.max_frames={cfg.world.max_frames}")
+    occ = occ.to(device)
+    lo, hi = (int(v) for v in torch.aminmax(occ))
+    C = cfg.data.num_classes
+    if hi >= C:
+        raise WMError(f"past occupancy holds class ids up to {hi}, but this model knows {C} classes (0..{C - 1})")
+    if lo < 0:
+        raise WMError(f"past occupancy holds class ids down to {lo}; class ids are 0..{C - 1}")
+    poses = _poses(_array(past_poses, "past poses"), "past poses", batched, B, P, "occupancy frame")
+    fut = None if future_poses is None else _array(future_poses, "future poses")
+    S = steps if steps is not None else cfg.data.future if fut is None else fut.shape[-3] if fut.ndim > 2 else 0
+    if not isinstance(S, (int, np.integer)) or isinstance(S, bool) or S < 1:
+        raise WMError(f"steps={S!r}: forecast at least one future frame (an integer >= 1)")
+    S = int(S)
+    if fut is not None:
+        poses = np.concatenate([poses, _poses(fut, "future poses", batched, B, S, "step")], 1)
+    motion = np.stack([relative_motion(p, P - 1) for p in poses])  # as the windows' motion (wm.data)
+    motion = torch.from_numpy(motion).to(device)
+    fut_motion = motion[:, P:] if fut is not None else None
+    return occ.to(torch.uint8), motion[:, :P], fut_motion, S, batched, as_numpy
+
+
 class Forecaster:
     """past occupancy + poses -> future occupancy with a trained tokenizer and world model.
 
@@ -118,68 +181,6 @@ class Forecaster:
         t = load_trained(run, ckpt)
         return cls(t.cfg, t.tokenizer, t.world, device, dtype, compile, t.ckpt, t.tokenizer_ckpt)
 
-    # ---------------------------------------------------------------------------------------------
-
-    def _poses(self, p: np.ndarray, what: str, batched: bool, B: int, n: int, per: str) -> np.ndarray:
-        """(B, n, 4, 4) float64 from (B, n, 4, 4) or, unbatched, (n, 4, 4); one pose per `per`."""
-        if p.shape[-2:] != (4, 4) or p.ndim != (4 if batched else 3):
-            lead = "(B, N, 4, 4)" if batched else "(N, 4, 4)"
-            raise WMError(f"{what} must be 4x4 ego->global matrices {lead} like the occupancy's batch, "
-                          f"got shape {p.shape}")
-        if not np.issubdtype(p.dtype, np.number) or np.iscomplexobj(p):
-            raise WMError(f"{what} must be real numbers, got dtype {p.dtype}")
-        p = p.astype(np.float64, copy=False)
-        if not batched:
-            p = p[None]
-        if p.shape[0] != B:
-            raise WMError(f"{what} are for {p.shape[0]} windows but the occupancy holds {B}")
-        if p.shape[1] != n:
-            raise WMError(f"{p.shape[1]} {what} for {n} {per}s; give one 4x4 pose per {per}")
-        if not np.isfinite(p).all():
-            raise WMError(f"{what} are not finite (NaN or inf)")
-        return p
-
-    def prepare(self, past_occ, past_poses, future_poses=None, steps: Optional[int] = None):
-        """Checked inputs on the device: occupancy uint8 (B, P, X, Y, Z), past motion (B, P, 3),
-        future motion (B, S, 3) or None, S, and whether the input was batched / numpy."""
-        cfg = self.cfg
-        as_numpy = isinstance(past_occ, np.ndarray)
-        occ = torch.from_numpy(past_occ) if as_numpy else past_occ
-        if not isinstance(occ, torch.Tensor):
-            raise WMError(f"past occupancy must be a numpy array or torch tensor, got {type(past_occ).__name__}")
-        grid = tuple(cfg.data.grid)
-        if occ.dim() not in (4, 5) or tuple(occ.shape[-3:]) != grid:
-            g = ", ".join(map(str, grid))
-            raise WMError(f"past occupancy must be (B, P, {g}) or (P, {g}) class ids, got shape {tuple(occ.shape)}")
-        if occ.is_floating_point() or occ.is_complex() or occ.dtype == torch.bool:
-            raise WMError(f"past occupancy must hold integer class ids (uint8 or another integer type), got {occ.dtype}")
-        batched = occ.dim() == 5
-        occ = occ if batched else occ[None]
-        B, P = occ.shape[:2]
-        if P < 1 or B < 1:
-            raise WMError(f"past occupancy of shape {tuple(occ.shape)}: give at least one past frame of one window")
-        if P > cfg.world.max_frames:
-            raise WMError(f"{P} past frames exceed this model's world.max_frames={cfg.world.max_frames}")
-        occ = occ.to(self.device)
-        lo, hi = (int(v) for v in torch.aminmax(occ))
-        C = cfg.data.num_classes
-        if hi >= C:
-            raise WMError(f"past occupancy holds class ids up to {hi}, but this model knows {C} classes (0..{C - 1})")
-        if lo < 0:
-            raise WMError(f"past occupancy holds class ids down to {lo}; class ids are 0..{C - 1}")
-        poses = self._poses(_array(past_poses, "past poses"), "past poses", batched, B, P, "occupancy frame")
-        fut = None if future_poses is None else _array(future_poses, "future poses")
-        S = steps if steps is not None else cfg.data.future if fut is None else fut.shape[-3] if fut.ndim > 2 else 0
-        if not isinstance(S, (int, np.integer)) or isinstance(S, bool) or S < 1:
-            raise WMError(f"steps={S!r}: forecast at least one future frame (an integer >= 1)")
-        S = int(S)
-        if fut is not None:
-            poses = np.concatenate([poses, self._poses(fut, "future poses", batched, B, S, "step")], 1)
-        motion = np.stack([relative_motion(p, P - 1) for p in poses])  # as the windows' motion (wm.data)
-        motion = torch.from_numpy(motion).to(self.device)
-        fut_motion = motion[:, P:] if fut is not None else None
-        return occ.to(torch.uint8), motion[:, :P], fut_motion, S, batched, as_numpy
-
     def __call__(self, past_occ, past_poses, future_poses=None, steps: Optional[int] = None,
                  logits: bool = False, on_phase: Optional[Callable[[str], Any]] = None) -> Prediction:
         """Forecast `steps` (default data.future) frames after the past ones.
@@ -190,7 +191,8 @@ class Forecaster:
         is called at the end of each phase ("inputs", "encode", "step" once per future frame,
         "decode", "outputs"; tools/bench_infer.py times them)."""
         mark = on_phase or (lambda name: None)
-        occ, motion, fut, S, batched, as_numpy = self.prepare(past_occ, past_poses, future_poses, steps)
+        occ, motion, fut, S, batched, as_numpy = prepare_inputs(self.cfg, self.device, past_occ, past_poses,
+                                                                future_poses, steps)
         mark("inputs")
         if self.compile == "reduce-overhead":  # a new forecast: the last one's CUDA-graph outputs may be reused
             torch.compiler.cudagraph_mark_step_begin()
