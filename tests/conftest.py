@@ -203,6 +203,37 @@ def trained_tiny(tiny_factory):
 
 
 @pytest.fixture(scope="module")
+def ev(trained_tiny, tmp_path_factory):
+    """A copy of trained_tiny's run folder (both stages, 2 + 2 steps, 2 past + 2 future frames at
+    2 Hz) and `args(*flags, **settings)`: the train.py --eval-only arguments for it."""
+    import shutil
+    from types import SimpleNamespace
+
+    base = tmp_path_factory.mktemp("ev")
+    shutil.copytree(trained_tiny.run_dir(), base / "runs" / "r")
+
+    def args(*flags, **over):
+        return trained_tiny.args(train__stages="tokenizer,world", run__out_dir=str(base / "runs"),
+                                 **over) + ["--eval-only", *flags]
+
+    return SimpleNamespace(t=trained_tiny, base=base, run=base / "runs" / "r", args=args)
+
+
+@pytest.fixture(scope="session")
+def tiny_export(trained_tiny, tmp_path_factory):
+    """One export.py run of trained_tiny that the export and benchmark tests read (an export takes
+    tens of seconds here): FP32 and FP16 graphs, then INT8 calibration on 8 windows and the report
+    on all the val windows. `p`: the finished process, `out`: its folder."""
+    from types import SimpleNamespace
+
+    out = tmp_path_factory.mktemp("cli_export")
+    p = subprocess.run([sys.executable, "export.py", "--run", str(trained_tiny.run_dir()), "--out", str(out),
+                        "--fp16", "--int8", "--calib-windows", "8", "--eval-windows", "100"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    return SimpleNamespace(p=p, out=out)
+
+
+@pytest.fixture(scope="module")
 def one_thread():
     """In-process runs on one intra-op thread, as the subprocesses (OMP_NUM_THREADS=1): on a small
     shared machine two spinning OpenMP threads make these tiny convolutions 10x slower."""

@@ -7,7 +7,6 @@ import json
 import math
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -220,20 +219,7 @@ def test_fabricated_reconstruction(mode):
 
 
 # ---------------------------------------------------------------------------------------------
-# the CLI on a trained tiny run (conftest: trained_tiny, both stages, 2 + 2 steps, 2 past + 2
-# future frames at 2 Hz), on a copy of its run folder
-
-
-@pytest.fixture(scope="module")
-def ev(trained_tiny, tmp_path_factory):
-    base = tmp_path_factory.mktemp("ev")
-    shutil.copytree(trained_tiny.run_dir(), base / "runs" / "r")
-
-    def args(*flags, **over):
-        return trained_tiny.args(train__stages="tokenizer,world", run__out_dir=str(base / "runs"),
-                                 **over) + ["--eval-only", *flags]
-
-    return SimpleNamespace(t=trained_tiny, base=base, run=base / "runs" / "r", args=args)
+# the CLI on a trained tiny run (conftest: `ev`, a copy of trained_tiny's run folder)
 
 
 def test_cli_reports_the_training_time_validation_numbers(ev, capsys, tmp_path):

@@ -5,7 +5,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import onnx
 import pytest
@@ -26,13 +25,8 @@ def export(*args):
 
 
 @pytest.fixture(scope="module")
-def cli(trained, tmp_path_factory):
-    """One export.py run that the CLI tests read (an export takes tens of seconds here): FP32 and FP16
-    graphs, then INT8 calibration on 8 windows and the report on all the val windows."""
-    out = tmp_path_factory.mktemp("cli_export")
-    p = export("--run", str(trained.run_dir()), "--out", str(out), "--fp16", "--int8",
-               "--calib-windows", "8", "--eval-windows", "100")
-    return SimpleNamespace(p=p, out=out)
+def cli(tiny_export):
+    return tiny_export
 
 
 def test_export_matches_pytorch_at_batch_1_and_2(cli):

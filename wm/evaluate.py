@@ -361,20 +361,29 @@ def load_stage(path: Path, stage: Optional[str] = None, what: str = "--ckpt", st
     return st
 
 
-def check_config(st: dict, cfg: Config, stage: str, path: Path) -> None:
-    """The config given for evaluation must describe the model the checkpoint holds: the same
-    model sections (training-only keys aside) and the same grid and classes."""
-    old, new = st["config"], to_dict(cfg)
+def config_diffs(old: dict, new: dict, stage: str) -> list[tuple[str, Any, Any]]:
+    """(key, old value, new value) of every key that changes the function of a `stage` checkpoint
+    between two config dicts: its model sections (training-only keys aside), the grid and classes."""
     sections = ("tokenizer",) if stage == "tokenizer" else ("tokenizer", "world")
     keys = [("data", k) for k in ("grid", "num_classes", "free_class")]
     keys += [(sec, k) for sec in sections for k in new[sec] if k not in TRAINING_ONLY.get(sec, ())]
-    diffs = [(f"{sec}.{k}", old[sec][k], new[sec][k]) for sec, k in keys
-             if isinstance(old.get(sec), dict) and k in old[sec] and old[sec][k] != new[sec][k]]
+    return [(f"{sec}.{k}", old[sec][k], new[sec][k]) for sec, k in keys
+            if isinstance(old.get(sec), dict) and k in old[sec] and old[sec][k] != new[sec][k]]
+
+
+def more_keys(diffs: list) -> str:
+    """' (and N more keys)' after the first of `diffs`, or ''."""
+    return f" (and {len(diffs) - 1} more key{'s' if len(diffs) > 2 else ''})" if len(diffs) > 1 else ""
+
+
+def check_config(st: dict, cfg: Config, stage: str, path: Path) -> None:
+    """The config given for evaluation must describe the model the checkpoint holds: the same
+    model sections (training-only keys aside) and the same grid and classes."""
+    diffs = config_diffs(st["config"], to_dict(cfg), stage)
     if diffs:
         key, a, b = diffs[0]
-        more = f" (and {len(diffs) - 1} more key{'s' if len(diffs) > 2 else ''})" if len(diffs) > 1 else ""
-        raise WMError(f"config mismatch: {path} was trained with {key}={a!r} but the config has {b!r}{more}; "
-                      "evaluate with the config of the run that trained it (its config.json)")
+        raise WMError(f"config mismatch: {path} was trained with {key}={a!r} but the config has {b!r}"
+                      f"{more_keys(diffs)}; evaluate with the config of the run that trained it (its config.json)")
 
 
 def world_tokenizer(st: dict, path: Path, run_dir: Path) -> tuple[Path, str]:

@@ -517,7 +517,7 @@ class WorldModel(nn.Module):
 
     def rollout(
         self, past_codes: Tensor, past_motion: Tensor, steps: int, future_motion: Tensor | None = None,
-        cache: bool = True,
+        cache: bool = True, step=None,
     ) -> tuple[Tensor, Tensor]:
         """Autoregressive forecast of `steps` frames (argmax codes). Each step runs the model on the last
         max_frames frames and appends its prediction for the next one; ego motion is predicted, or taken
@@ -528,13 +528,17 @@ class WorldModel(nn.Module):
         position embedding), a step runs only the new frame through the trunk and takes the earlier
         frames' attention keys and values from the previous steps: P + steps - 1 frame passes instead
         of P + (P + 1) + ... (5 past + 6 future: 10 instead of 45). The same function as cache=False,
-        up to float rounding (tested)."""
+        up to float rounding (tested).
+
+        `step`: what to call for one step instead of self.step (same arguments: a compiled or timed
+        self.step, see wm.forecaster)."""
+        step = self.step if step is None else step
         codes = past_codes.long()
         motion = past_motion.float()
         p_len = codes.shape[1]
         kv = {} if cache and p_len + steps - 1 <= self.cfg.max_frames else None
         for s in range(steps):
-            nxt, m_next = self.step(codes[:, -self.cfg.max_frames :], motion[:, -self.cfg.max_frames :], kv)
+            nxt, m_next = step(codes[:, -self.cfg.max_frames :], motion[:, -self.cfg.max_frames :], kv)
             if future_motion is not None:
                 m_next = future_motion[:, s].to(motion.dtype)
             codes = torch.cat([codes, nxt[:, None]], 1)

@@ -113,13 +113,19 @@ def load_trained(run: str | os.PathLike, ckpt: Optional[str | os.PathLike] = Non
         cfg = from_dict(Config, st["config"]).validate()
     except ConfigError as e:
         raise ExportError(f"{ckpt}: its config is refused ({e})") from None
-    from wm.evaluate import world_tokenizer
+    from wm.evaluate import config_diffs, more_keys, world_tokenizer
 
     try:  # found where recorded (or in this run), its sha256 what the world stage trained on
         tpath, _ = world_tokenizer(st, ckpt, run)
     except WMError as e:
         raise ExportError(str(e)) from None
     tst = load(tpath)
+    diffs = config_diffs(tst.get("config") or {}, st["config"], "tokenizer")  # what --eval-only checks too
+    if diffs:
+        key, a, b = diffs[0]
+        raise ExportError(f"config mismatch: tokenizer {tpath} was trained with {key}={a!r} but world checkpoint "
+                          f"{ckpt} records {b!r}{more_keys(diffs)}: its world stage ran that tokenizer with other "
+                          "settings; retrain the world stage with the tokenizer's config")
     tok = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
     world = WorldModel(cfg.world, cfg.tokenizer.codebook_size)
     try:

@@ -1,0 +1,134 @@
+"""wm.Forecaster: a trained run's forecast as a Python call, equal to --eval-only's rollout."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import wm.train as T
+from wm import Forecaster
+from wm.checkpoint import load
+from wm.data import OccWindows
+from wm.errors import WMError
+from wm.export.onnx import ExportError, load_trained
+from wm.metrics import ConfusionMatrix
+
+
+def windows_with_poses(f: Forecaster, batch: int):
+    """The val windows as --eval-only batches them, each with its 4x4 ego->global poses from the shards."""
+    cfg = f.cfg
+    ds = OccWindows(cfg.data.root, cfg.data.val_split, cfg.data)
+    for i in range(0, len(ds), batch):
+        idx = range(i, min(i + batch, len(ds)))
+        occ = torch.stack([ds[j]["occ"] for j in idx])
+        poses = []
+        for j in idx:
+            sh, a, b = ds.locate(j)
+            poses.append(sh.pose[a:b:cfg.data.stride])
+        yield occ, np.stack(poses)
+
+
+@pytest.mark.parametrize("motion,amp", [("given", "fp32"), ("predicted", "fp32"), ("given", "bf16")])
+def test_forecast_equals_eval_only_rollout(ev, tmp_path, motion, amp):
+    """Over every val window, the Forecaster's occupancy (from the shards' poses) fills exactly the
+    confusion counts --eval-only reports for the same run, precision and ego-motion setting."""
+    out = tmp_path / "eval.json"
+    assert T.main(ev.args("--stage", "world", "--json", str(out), train__forecast_motion=motion, train__amp=amp)) == 0
+    rep = json.loads(out.read_text())["world"]
+
+    f = Forecaster.from_run(ev.run, dtype=amp)
+    P, S = f.cfg.data.past, f.cfg.data.future
+    cm = ConfusionMatrix(f.cfg.data.num_classes, f.cfg.data.free_class, S)
+    n = 0
+    for occ, poses in windows_with_poses(f, f.cfg.world_stage.batch_size):
+        fut = poses[:, P:] if motion == "given" else None
+        pred = f(occ[:, :P], poses[:, :P], future_poses=fut, steps=S)
+        assert pred.occ.dtype == torch.uint8 and pred.occ.shape == occ[:, P:].shape
+        cm.update(pred.occ.long(), occ[:, P:].long())
+        n += len(occ)
+    assert n == rep["windows"] == 9  # the tiny val scene's windows
+    assert cm.counts.tolist() == rep["forecast"]["confusion"]
+
+
+def test_numpy_in_numpy_out_one_window_codes_and_logits(ev):
+    f = Forecaster.from_run(ev.run)
+    occ, poses = next(windows_with_poses(f, 3))
+    P = f.cfg.data.past
+    batched = f(occ[:, :P].numpy(), poses[:, :P], logits=True)
+    assert isinstance(batched.occ, np.ndarray) and batched.occ.dtype == np.uint8
+    assert batched.occ.shape == (3, 2, *f.cfg.data.grid)
+    assert batched.codes.shape == (3, 2, 4, 4) and batched.motion.shape == (3, 2, 3)
+    assert batched.logits.shape == (3, 2, f.cfg.data.num_classes, *f.cfg.data.grid)
+    assert np.array_equal(batched.logits.argmax(2), batched.occ)
+    # the decoded codes are the occupancy
+    with torch.no_grad():
+        dec = f.tokenizer.decode(torch.from_numpy(batched.codes)).argmax(2)
+    assert np.array_equal(dec.numpy(), batched.occ)
+    # one window without a batch dimension: the same forecast as its row of the batch
+    one = f(occ[0, :P], torch.from_numpy(poses[0, :P]))
+    assert isinstance(one.occ, torch.Tensor) and one.logits is None
+    assert one.occ.shape == (2, *f.cfg.data.grid)
+    assert torch.equal(one.codes, torch.from_numpy(batched.codes[0]))
+    # predicted motion by default; given future poses come back as the motion
+    fut = f(occ[:1, :P], poses[:1, :P], future_poses=poses[:1, P:P + 1])
+    assert fut.occ.shape[1] == 1 and fut.motion.shape == (1, 1, 3)
+
+
+def test_bad_inputs_are_one_line_errors(ev):
+    f = Forecaster.from_run(ev.run)
+    occ, poses = next(windows_with_poses(f, 2))
+    P = f.cfg.data.past
+    o, p = occ[:, :P], poses[:, :P]
+    cases = [
+        ((o[..., :3], p), "occupancy must be"),
+        ((o.float(), p), "integer class ids"),
+        ((o.long() + 20, p), "class ids up to"),
+        ((o.long() - 20, p), "class ids down to"),
+        ((o, p[:, :1]), "1 past poses for 2 occupancy frames"),
+        ((o, p[:1]), "poses are for 1 windows"),
+        ((o, p[..., :3, :]), "poses must be 4x4"),
+        ((o, np.full_like(p, np.nan)), "not finite"),
+        ((o[:, :0], p[:, :0]), "at least one past frame"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(WMError, match=msg) as e:
+            f(*args)
+        assert "\n" not in str(e.value)
+    with pytest.raises(WMError, match="3 future poses for 2 steps"):
+        f(o, p, future_poses=np.concatenate([poses[:, P:], poses[:, P:P + 1]], 1), steps=2)
+    with pytest.raises(WMError, match="dtype 'int8' must be one of"):
+        Forecaster.from_run(ev.run, dtype="int8")
+    with pytest.raises(WMError, match="compile 'fast' must be one of"):
+        Forecaster.from_run(ev.run, compile="fast")
+    if not torch.cuda.is_available():
+        with pytest.raises(WMError, match="no CUDA device"):
+            Forecaster.from_run(ev.run, device="cuda")
+    with pytest.raises(WMError, match="does not exist"):
+        Forecaster.from_run(ev.run / "nope")
+
+
+def test_loader_refuses_a_tokenizer_trained_with_other_settings(ev, tmp_path):
+    """Like --eval-only, the loader export and the Forecaster share checks the tokenizer checkpoint's
+    own config against the world checkpoint's: here a key that changes the function, not the shapes."""
+    run = tmp_path / "r"
+    shutil.copytree(ev.run, run)
+    wck = run / "world" / "checkpoints" / "best.pt"
+    wst = load(wck)
+    tname = Path(wst["tokenizer"]["path"]).name
+    tst = load(run / "tokenizer" / "checkpoints" / tname)
+    tst["config"]["tokenizer"]["attn_heads"] = 2  # same weights, other attention
+    other = tmp_path / "tok" / "tokenizer" / "checkpoints" / tname
+    other.parent.mkdir(parents=True)
+    torch.save(tst, other)
+    from wm.checkpoint import sha256_file
+
+    wst["tokenizer"] = {"path": str(other), "sha256": sha256_file(other)}
+    bad = tmp_path / "world.pt"
+    torch.save(wst, bad)
+    with pytest.raises(ExportError, match=r"tokenizer\.attn_heads=2 .* records 1"):
+        load_trained(run, bad)
+    with pytest.raises(WMError, match=r"tokenizer\.attn_heads=2"):
+        Forecaster.from_run(run, ckpt=bad)

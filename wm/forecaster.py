@@ -1,0 +1,220 @@
+"""A trained run's forecast as one Python call: past occupancy + poses -> future occupancy.
+
+    from wm import Forecaster
+    f = Forecaster.from_run("runs/demo", device="cuda", dtype="bf16")
+    pred = f(past_occ, past_poses)        # (B, P, X, Y, Z) class ids, (B, P, 4, 4) ego->global poses
+    pred.occ                              # (B, S, X, Y, Z) uint8, S = data.future
+
+It computes what --eval-only scores (wm.evaluate.forecast): the past frames encoded by the frozen
+tokenizer, the world model rolled out with its key/value cache (WorldModel.rollout), the codes
+decoded and the argmax taken, under the same autocast. Poses become the model's ego motion the way
+the training windows get it (wm.data.relative_motion: x, y, yaw in the last past frame's axes).
+Given future poses (a planned trajectory) are used as the future ego motion, as --eval-only does
+with train.forecast_motion=given; without them the model predicts it.
+
+The run is loaded by export's loader (wm.export.onnx.load_trained): the best valid world checkpoint,
+its tokenizer found by sha256, the two checkpoints' configs checked against each other as
+--eval-only checks them. Every input a caller can get wrong is refused with one line (WMError).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from wm.config import COMPILE_MODES, Config
+from wm.data import relative_motion
+from wm.errors import WMError
+from wm.evaluate import autocast
+from wm.tokenizer import Tokenizer
+from wm.world import WorldModel
+
+__all__ = ["Forecaster", "Prediction", "DTYPES", "prepare_inputs"]
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # name -> autocast dtype
+
+
+@dataclass
+class Prediction:
+    """One forecast, numpy arrays if the occupancy came as numpy, else torch tensors on the
+    forecaster's device; no batch dimension if the input had none.
+
+    occ (B, S, X, Y, Z) uint8 class ids; motion (B, S, 3) x, y, yaw of each future frame in the last
+    past frame's axes (predicted, or from the given future poses); codes (B, S, h, w) int64 tokens;
+    logits (B, S, C, X, Y, Z) float, only when asked for."""
+
+    occ: Any
+    motion: Any
+    codes: Any
+    logits: Any = None
+
+
+def _dtype(dtype) -> tuple[str, Optional[torch.dtype]]:
+    names = {v: k for k, v in DTYPES.items() if v is not None} | {torch.float32: "fp32", None: "fp32"}
+    name = names.get(dtype, dtype)
+    if name not in DTYPES:
+        raise WMError(f"Forecaster dtype {dtype!r} must be one of {', '.join(DTYPES)}")
+    return name, DTYPES[name]
+
+
+def _device(device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise WMError(f"Forecaster device {device!r} is not a torch device; use 'cpu' or 'cuda'") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise WMError(f"Forecaster device {device!r}: no CUDA device here (torch {torch.__version__}); use device='cpu'")
+    return dev
+
+
+def _compile(mode: Optional[str]) -> Optional[str]:
+    if mode is not None and mode not in COMPILE_MODES:
+        raise WMError(f"Forecaster compile {mode!r} must be one of None, {', '.join(COMPILE_MODES)}")
+    return mode
+
+
+def _array(x, what: str) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    if not isinstance(x, np.ndarray):
+        raise WMError(f"{what} must be a numpy array or torch tensor, got {type(x).__name__}")
+    return x
+
+
+def _poses(p: np.ndarray, what: str, batched: bool, B: int, n: int, per: str) -> np.ndarray:
+    """(B, n, 4, 4) float64 from (B, n, 4, 4) or, unbatched, (n, 4, 4); one pose per `per`."""
+    if p.shape[-2:] != (4, 4) or p.ndim != (4 if batched else 3):
+        lead = "(B, N, 4, 4)" if batched else "(N, 4, 4)"
+        raise WMError(f"{what} must be 4x4 ego->global matrices {lead} like the occupancy's batch, "
+                      f"got shape {p.shape}")
+    if not np.issubdtype(p.dtype, np.number) or np.iscomplexobj(p):
+        raise WMError(f"{what} must be real numbers, got dtype {p.dtype}")
+    p = p.astype(np.float64, copy=False)
+    if not batched:
+        p = p[None]
+    if p.shape[0] != B:
+        raise WMError(f"{what} are for {p.shape[0]} windows but the occupancy holds {B}")
+    if p.shape[1] != n:
+        raise WMError(f"{p.shape[1]} {what} for {n} {per}s; give one 4x4 pose per {per}")
+    if not np.isfinite(p).all():
+        raise WMError(f"{what} are not finite (NaN or inf)")
+    return p
+
+
+def prepare_inputs(cfg: Config, device: torch.device, past_occ, past_poses, future_poses=None,
+                   steps: Optional[int] = None):
+    """Forecaster's inputs checked (one-line WMError) and on `device`: occupancy uint8 (B, P, X, Y, Z),
+    past motion (B, P, 3), future motion (B, S, 3) or None, S, and whether the input was batched /
+    numpy. Motion from the poses as the training windows get it (wm.data.relative_motion)."""
+    as_numpy = isinstance(past_occ, np.ndarray)
+    occ = torch.from_numpy(past_occ) if as_numpy else past_occ
+    if not isinstance(occ, torch.Tensor):
+        raise WMError(f"past occupancy must be a numpy array or torch tensor, got {type(past_occ).__name__}")
+    grid = tuple(cfg.data.grid)
+    if occ.dim() not in (4, 5) or tuple(occ.shape[-3:]) != grid:
+        g = ", ".join(map(str, grid))
+        raise WMError(f"past occupancy must be (B, P, {g}) or (P, {g}) class ids, got shape {tuple(occ.shape)}")
+    if occ.is_floating_point() or occ.is_complex() or occ.dtype == torch.bool:
+        raise WMError(f"past occupancy must hold integer class ids (uint8 or another integer type), got {occ.dtype}")
+    batched = occ.dim() == 5
+    occ = occ if batched else occ[None]
+    B, P = occ.shape[:2]
+    if P < 1 or B < 1:
+        raise WMError(f"past occupancy of shape {tuple(occ.shape)}: give at least one past frame of one window")
+    if P > cfg.world.max_frames:
+        raise WMError(f"{P} past frames exceed this model's world.max_frames={cfg.world.max_frames}")
+    occ = occ.to(device)
+    lo, hi = (int(v) for v in torch.aminmax(occ))
+    C = cfg.data.num_classes
+    if hi >= C:
+        raise WMError(f"past occupancy holds class ids up to {hi}, but this model knows {C} classes (0..{C - 1})")
+    if lo < 0:
+        raise WMError(f"past occupancy holds class ids down to {lo}; class ids are 0..{C - 1}")
+    poses = _poses(_array(past_poses, "past poses"), "past poses", batched, B, P, "occupancy frame")
+    fut = None if future_poses is None else _array(future_poses, "future poses")
+    S = steps if steps is not None else cfg.data.future if fut is None else fut.shape[-3] if fut.ndim > 2 else 0
+    if not isinstance(S, (int, np.integer)) or isinstance(S, bool) or S < 1:
+        raise WMError(f"steps={S!r}: forecast at least one future frame (an integer >= 1)")
+    S = int(S)
+    if fut is not None:
+        poses = np.concatenate([poses, _poses(fut, "future poses", batched, B, S, "step")], 1)
+    motion = np.stack([relative_motion(p, P - 1) for p in poses])  # as the windows' motion (wm.data)
+    motion = torch.from_numpy(motion).to(device)
+    fut_motion = motion[:, P:] if fut is not None else None
+    return occ.to(torch.uint8), motion[:, :P], fut_motion, S, batched, as_numpy
+
+
+class Forecaster:
+    """past occupancy + poses -> future occupancy with a trained tokenizer and world model.
+
+    `Forecaster.from_run(run)` loads a run folder; the constructor takes the models themselves (e.g.
+    randomly initialised ones of a config, for timing). `dtype`: fp32 | bf16 | fp16 (autocast);
+    `compile`: None or a torch.compile mode (wm.config.COMPILE_MODES; reduce-overhead = CUDA graphs)
+    for the tokenizer's encode and decode and the world model's step."""
+
+    def __init__(self, cfg: Config, tokenizer: Tokenizer, world: WorldModel, device="cpu", dtype="fp32",
+                 compile: Optional[str] = None, checkpoint: Optional[Path] = None,
+                 tokenizer_checkpoint: Optional[Path] = None):
+        self.dtype, self.amp = _dtype(dtype)
+        self.device = _device(device)
+        self.cfg, self.compile = cfg, _compile(compile)
+        self.checkpoint, self.tokenizer_checkpoint = checkpoint, tokenizer_checkpoint
+        self.tokenizer = tokenizer.to(self.device).eval().requires_grad_(False)
+        self.world = world.to(self.device).eval().requires_grad_(False)
+        self._encode, self._step, self._decode = self.tokenizer.encode, self.world.step, self.tokenizer.decode
+        if compile is not None:
+            self._encode, self._step, self._decode = (torch.compile(fn, mode=compile)
+                                                      for fn in (self._encode, self._step, self._decode))
+
+    @classmethod
+    def from_run(cls, run: str | os.PathLike, ckpt: Optional[str | os.PathLike] = None, device="cpu",
+                 dtype="fp32", compile: Optional[str] = None) -> "Forecaster":
+        """The run's best world-model checkpoint (or `ckpt`) and the tokenizer it was trained on."""
+        from wm.export.onnx import load_trained
+
+        _dtype(dtype), _device(device), _compile(compile)  # refuse a bad argument before reading checkpoints
+        t = load_trained(run, ckpt)
+        return cls(t.cfg, t.tokenizer, t.world, device, dtype, compile, t.ckpt, t.tokenizer_ckpt)
+
+    def __call__(self, past_occ, past_poses, future_poses=None, steps: Optional[int] = None,
+                 logits: bool = False, on_phase: Optional[Callable[[str], Any]] = None) -> Prediction:
+        """Forecast `steps` (default data.future) frames after the past ones.
+
+        past_occ (B, P, X, Y, Z) or (P, X, Y, Z) integer class ids, numpy or torch (any device);
+        past_poses (B, P, 4, 4) ego->global, as the shards store them; future_poses (B, S, 4, 4) to
+        use as the future ego motion; `logits`: also return the decoder's logits. `on_phase(name)`
+        is called at the end of each phase ("inputs", "encode", "step" once per future frame,
+        "decode", "outputs"; tools/bench_infer.py times them)."""
+        mark = on_phase or (lambda name: None)
+        occ, motion, fut, S, batched, as_numpy = prepare_inputs(self.cfg, self.device, past_occ, past_poses,
+                                                                future_poses, steps)
+        mark("inputs")
+        if self.compile == "reduce-overhead":  # a new forecast: the last one's CUDA-graph outputs may be reused
+            torch.compiler.cudagraph_mark_step_begin()
+
+        def step(*a):
+            out = self._step(*a)
+            mark("step")
+            return out
+
+        with torch.no_grad(), autocast(self.device, self.amp):
+            past_codes = self._encode(occ)
+            mark("encode")
+            codes, motion_out = self.world.rollout(past_codes, motion, S, future_motion=fut, step=step)
+            lg = self._decode(codes)
+            pred = lg.argmax(2).to(torch.uint8)
+            mark("decode")
+        if logits and self.compile == "reduce-overhead":
+            lg = lg.clone()  # CUDA-graph memory: the next forecast would overwrite it
+        out = [pred, motion_out, codes, lg if logits else None]
+        if not batched:
+            out = [None if x is None else x[0] for x in out]
+        if as_numpy:
+            out = [None if x is None else (x.float() if x.is_floating_point() else x).cpu().numpy() for x in out]
+        mark("outputs")
+        return Prediction(*out)
