@@ -47,7 +47,10 @@ voxels (or to --pad X Y); both keep the ego near the middle (--align ego, the de
 high) and move the manifest's range with the cut.
 
 Checks: a scene whose median frame interval differs from the others' by x1000 or more (one drive
-in milliseconds among drives in seconds) is refused, naming it; a yaw that looks like degrees (some
+in milliseconds among drives in seconds) is refused, naming it; so are timestamps that do not fit
+int64 microseconds in the unit read (Unix microseconds read as seconds), a median frame rate
+outside 0.5-100 Hz, and one more than 5 % off a given frame_rate_hz / --frame-rate: each in one line
+naming the unit the timestamps look like (--time-unit); a yaw that looks like degrees (some
 |yaw| beyond 2 pi, or turns faster than 2 rad/s when read as radians) is a warning: --yaw-units deg.
 
 Split: --val-scenes a,b names the validation scenes; otherwise --val-fraction (default 0.1) of the
@@ -67,8 +70,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from wm.convert import (TIME_UNITS, VISIBLE_BITS, YAW_UNITS, add_writer_args, convert_and_report,  # noqa: E402
                         frames_scenes, median_rate, peek_grid)
-from wm.recording_checks import (GRID_MULTIPLE, check_range, grid_note, plan_fit, time_unit_outliers,  # noqa: E402
-                                 yaw_unit_note)
+from wm.recording_checks import (GRID_MULTIPLE, check_range, grid_note, plan_fit, rate_problem,  # noqa: E402
+                                 time_unit_outliers, yaw_unit_note)
 from wm.errors import DataError, run_cli  # noqa: E402
 from wm.shards import DatasetInfo  # noqa: E402
 from wm.viz import parse_colors  # noqa: E402
@@ -160,6 +163,13 @@ def main(argv=None) -> int:
     for b in time_unit_outliers(specs, a.time_unit):  # refused (or skipped with --skip-bad) like any bad scene
         specs.pop(b["scene"])
         bad.append(b)
+    given, given_where = (a.frame_rate, "--frame-rate") if a.frame_rate else \
+        (cls.get("frame_rate_hz"), f"{a.classes_json}: frame_rate_hz")
+    if given is not None and not (isinstance(given, (int, float)) and not isinstance(given, bool) and given > 0):
+        raise DataError(f"{given_where} {given!r} must be a positive number of frames per second")
+    problem = rate_problem(specs, a.time_unit, given, given_where)
+    if problem:  # timestamps in another unit than read, or a rate they contradict: every horizon would be off
+        raise DataError(problem)
     if a.grid:
         grid = tuple(a.grid)
     elif specs:
