@@ -93,8 +93,26 @@ def test_odd_grid_warns_at_conversion_with_both_remedies(tmp_path):
             classes_json(tmp_path / "c.json"), "--val-scenes", "d3")
     assert p.returncode == 0, p.stderr
     warn = [ln for ln in p.stdout.splitlines() if ln.startswith("warning: grid")]
-    assert warn == ["warning: grid 10 x 6 x 3: X=10 and Y=6 not a multiple of 4, which training refuses (the "
-                    "tokenizer halves X and Y twice); convert with --crop (8 x 4 x 3) or --pad (12 x 8 x 3)"], p.stdout
+    assert warn == ["warning: grid 10 x 6 x 3: X=10 and Y=6 are not multiples of 4: the default 2-level tokenizer "
+                    "(the demo's tokenizer.widths) takes them, a 3-level one (OccWorld's, configs/occworld*.json) "
+                    "refuses them (it halves X and Y twice); for 3 levels convert with --crop (8 x 4 x 3) or "
+                    "--pad (12 x 8 x 3)"], p.stdout
+
+
+def test_grid_note_states_the_constraint_of_each_tokenizer():
+    from wm.config import Config, load
+    from wm.recording_checks import grid_note
+
+    # what the note says of the tokenizers is what they are
+    assert Config().tokenizer.downsample == 2 and load(ROOT / "configs/occworld.json").tokenizer.downsample == 4
+    assert grid_note((96, 64, 10)) is None
+    assert grid_note((98, 64, 10)) == (
+        "grid 98 x 64 x 10: X=98 is not a multiple of 4: the default 2-level tokenizer (the demo's tokenizer.widths) "
+        "takes it, a 3-level one (OccWorld's, configs/occworld*.json) refuses it (it halves X and Y twice); for 3 "
+        "levels convert with --crop (96 x 64 x 10) or --pad (100 x 64 x 10)")
+    assert grid_note((97, 64, 10)) == (
+        "grid 97 x 64 x 10: X=97 is not a multiple of 2, which every tokenizer refuses (the default 2-level one "
+        "halves X and Y once, OccWorld's 3 levels twice); convert with --crop (96 x 64 x 10) or --pad (100 x 64 x 10)")
 
 
 def test_crop_keeps_the_ego_centred_and_moves_the_range(tmp_path):

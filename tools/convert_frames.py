@@ -41,7 +41,8 @@ grid x voxel_size. colors: the pictures' colour of some or
 all classes (a {name: colour} object or a list in class order; [r, g, b] or "#rrggbb"); the others
 get Occ3D's colour where the name is an Occ3D class name, else a distinct one.)
 
-Grid: training needs X and Y divisible by 4 (a warning says so at conversion). --crop cuts X and Y
+Grid: a 3-level tokenizer (OccWorld's) needs X and Y divisible by 4, the default 2-level one by 2 (a
+warning says so at conversion). --crop cuts X and Y
 down to the nearest multiple of 4 (or to --crop X Y), --pad grows them with free, not-visible
 voxels (or to --pad X Y); both keep the ego near the middle (--align ego, the default; centre, low,
 high) and move the manifest's range with the cut.
