@@ -298,3 +298,28 @@ def test_frame_rate_is_the_nominal_rate_despite_clock_jitter():
     assert median_rate([spec(500_000)]) == 2.0 and median_rate([spec(80_000)]) == 12.5
     assert median_rate([spec(1_999_000)]) == 0.5
     assert median_rate([spec(97_000)]) == 10.309 and median_rate([spec(80_300)]) == 12.453  # rates of their own
+
+
+def test_moving_classes_from_classes_json_reach_the_manifest(tmp_path):
+    recordings(tmp_path / "rec", masks=False)
+    cj = classes_json(tmp_path / "c.json", moving_classes=["aircraft", "tug", "person"])
+    p = cli("--root", tmp_path / "rec", "--out", tmp_path / "out", "--classes-json", cj, "--pad")
+    assert p.returncode == 0, p.stderr
+    assert "moving classes: aircraft, tug, person" in p.stdout and "note: no moving classes" not in p.stdout
+    assert load_manifest(tmp_path / "out").info.moving_classes == ("aircraft", "tug", "person")
+    # --classes takes them as --moving-classes
+    p = cli("--root", tmp_path / "rec", "--out", tmp_path / "o2", "--classes", ",".join(NAMES), "--free", "free",
+            "--voxel-size", 1, "--pad", "--moving-classes", "tug,person")
+    assert p.returncode == 0, p.stderr
+    assert load_manifest(tmp_path / "o2").info.moving_classes == ("tug", "person")
+    # none declared for names that are not nuScenes': said at conversion, what to add
+    p = cli("--root", tmp_path / "rec", "--out", tmp_path / "o3", "--classes-json", classes_json(tmp_path / "n.json"),
+            "--pad")
+    assert p.returncode == 0, p.stderr
+    note = [ln for ln in p.stdout.splitlines() if ln.startswith("note: no moving classes")]
+    assert len(note) == 1 and '"moving_classes"' in note[0] and "n.json" in note[0], p.stdout
+    assert "moving_classes" not in json.loads((tmp_path / "o3" / "manifest.json").read_text())
+    # a name that is not a class: one line
+    bad = classes_json(tmp_path / "b.json", moving_classes=["plane"])
+    line = error_line(cli("--root", tmp_path / "rec", "--out", tmp_path / "o4", "--classes-json", bad, "--pad"))
+    assert "b.json: moving_classes: 'plane' is not one of the classes" in line, line

@@ -56,6 +56,9 @@ class DataConfig:
     grid: tuple[int, ...] = (64, 64, 8)  # voxels [X, Y, Z] of every frame; X, Y divisible by tokenizer.downsample
     num_classes: int = 18  # class ids 0..num_classes-1, the free class included
     free_class: int = 17  # id of empty space (not in mIoU)
+    # The classes whose forecast IoU is reported per step, and drawn over the pictures; empty: the data
+    # set's (manifest moving_classes, else its nuScenes-named moving classes)
+    moving_classes: tuple[str, ...] = ()  # class names that move (empty: the data set's own list)
     # Windows: `past` frames in, `future` frames to forecast, every `stride`-th frame of a scene;
     # a window starts at every `window_step`-th frame.
     past: int = 5  # frames the model sees
@@ -105,6 +108,8 @@ class DataConfig:
                 raise ConfigError(k, f"{getattr(self, k)} must be >= 0")
         if self.h5_cache_mib < 0:
             raise ConfigError("h5_cache_mib", f"{self.h5_cache_mib} must be >= 0")
+        if len(set(self.moving_classes)) != len(self.moving_classes):
+            raise ConfigError("moving_classes", f"{list(self.moving_classes)} names a class twice")
         if self.train_split == self.val_split:
             raise ConfigError("val_split", f"{self.val_split!r} is also the train split; "
                               "validating on training windows hides overfitting")

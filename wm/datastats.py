@@ -28,8 +28,20 @@ GROUPS = {
     "people": ("pedestrian",),
 }
 
-# the classes that move, in the order the final table lists them
-DYNAMIC_CLASSES = ("car", "pedestrian", "truck", "bus", "construction_vehicle", "trailer", "bicycle", "motorcycle")
+# nuScenes' moving classes (Occ3D-nuScenes names), in the order tables list them: the moving classes of a
+# data set that declares none (its manifest's moving_classes)
+NUSCENES_MOVING = ("car", "pedestrian", "truck", "bus", "construction_vehicle", "trailer", "bicycle", "motorcycle")
+
+
+def moving_classes(info, override: Sequence[str] = ()) -> tuple[str, ...]:
+    """The classes that move, in table order: `override` (data.moving_classes) when given, else the
+    data set's own (manifest moving_classes, from classes.json at conversion), else its classes named
+    as nuScenes' moving ones (none for a class set of other names)."""
+    if override:
+        return tuple(override)
+    if info.moving_classes:
+        return tuple(info.moving_classes)
+    return tuple(n for n in NUSCENES_MOVING if n in info.class_names)
 
 # Two public Occ3D-nuScenes frames (200 x 200 x 16, free = 17), as measured in issue 14.
 OCC3D_FRAMES = (

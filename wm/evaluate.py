@@ -52,6 +52,7 @@ from wm.atomic import write_bytes
 from wm.checkpoint import load_checked as load_ckpt, newest_valid, sha256_file
 from wm.config import Config, DataConfig, to_dict
 from wm.data import OccWindows, check_against_config, ignore_stop_signals, resolve_root, start_workers
+from wm.datastats import moving_classes
 from wm.errors import DataError, WMError
 from wm.metrics import MODES, OCCWORLD_STEPS, ConfusionMatrix, copy_last
 from wm.tokenizer import Tokenizer
@@ -278,6 +279,10 @@ def _num(v, width: int = 7) -> str:
     return f"{'-':>{width}}" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:>{width}.2f}"
 
 
+def _pct(v) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.1f}"
+
+
 def format_table(rep: dict) -> str:
     """The report as the table --eval-only prints."""
     lines = [f"evaluation ({rep['split']} split, mask {rep['mask']}, absent classes: {rep['mode']}; IoU and "
@@ -296,14 +301,25 @@ def format_table(rep: dict) -> str:
                      f"{wor['forecast_motion']} ego motion; horizons at future steps {at}")
         if wor.get("horizons_why"):
             lines.append(f"  horizons {', '.join(wor['horizons'])}: {wor['horizons_why']}")
-        head = "".join(f"{h:>9}" for h in wor["horizons"]) + f"{'avg':>9}"
+        cols = [f"{h} (t+{s + 1})" for h, s in zip(wor["horizons"], wor["steps"])] + ["avg"]
+        cw = max(9, max(len(c) for c in cols) + 2)
+        head = "".join(f"{c:>{cw}}" for c in cols)
         lines.append(f"  {'':<16}{head}")
         for metric in ("iou", "miou"):
             for name, key in (("forecast", "forecast"), ("copy-last", "copy_last")):
                 b = wor[key]
-                cells = "".join(f"  {_num(v)}" for v in b[metric]) + f"  {_num(b[metric + '_avg'])}"
+                cells = "".join(_num(v, cw) for v in b[metric] + [b[metric + "_avg"]])
                 label = ("IoU" if metric == "iou" else "mIoU") if name == "forecast" else ""
                 lines.append(f"  {label:<5}{name:<11}{cells}")
+        moving = [n for n in rep.get("moving_classes", ()) if n in wor["forecast"]["per_class"]]
+        if moving:
+            w = max(16, max(len(n) + 1 for n in moving))
+            lines.append("  moving classes, IoU per horizon, forecast / copy-last:")
+            lines.append(f"  {'':<{w}}{head}")
+            for n in moving:
+                pairs = list(zip(wor["forecast"]["per_class"][n], wor["copy_last"]["per_class"][n]))
+                pairs.append((wor["forecast"]["per_class_avg"][n], wor["copy_last"]["per_class_avg"][n]))
+                lines.append(f"  {n:<{w}}" + "".join(f"{_pct(a) + ' / ' + _pct(b):>{cw}}" for a, b in pairs))
     names = rep["class_names"]
     cols = []
     if tok:
@@ -580,6 +596,7 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
         "split": split, "mask": mask, "mode": mode, "unit": "percent",
         "data": {"root": str(root), "fingerprint": manifest.fingerprint, "frame_rate_hz": info.frame_rate_hz},
         "class_names": names, "free_class": info.free_class,
+        "moving_classes": list(moving_classes(info, cfg.data.moving_classes)),
         "world_size": d.world_size, "device": str(device), "precision": _precision(dtype),
         "wm_version": wm.__version__, "torch_version": torch.__version__, "argv": list(sys.argv),
     }
