@@ -515,10 +515,14 @@ def _precision(dtype) -> str:
 
 
 def default_json(run_dir: Path, stages: Sequence[str], split: str, mode: str, mask: str,
-                 ckpt: Optional[Path]) -> Path:
-    """<run>/eval/<stages>_<split>_<mode>[_mask-<mask>].json; with --ckpt the file's stem leads."""
+                 ckpt: Optional[Path], horizons: Sequence[float] = PROTOCOL_HORIZONS) -> Path:
+    """<run>/eval/<stages>_<split>_<mode>[_mask-<mask>][_h<h1>-<h2>...].json: the horizons where a
+    forecast is scored at others than the protocol's, so no custom report takes the protocol's
+    name; with --ckpt the file's stem leads."""
     lead = "+".join(stages) if ckpt is None else f"{stages[0]}-{ckpt.stem}"
-    return run_dir / "eval" / (f"{lead}_{split}_{mode}" + (f"_mask-{mask}" if mask != "none" else "") + ".json")
+    hs = "_h" + "-".join(horizon_label(h) for h in horizons) \
+        if "world" in stages and tuple(horizons) != PROTOCOL_HORIZONS else ""
+    return run_dir / "eval" / (f"{lead}_{split}_{mode}" + (f"_mask-{mask}" if mask != "none" else "") + hs + ".json")
 
 
 def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[torch.dtype], args) -> int:
@@ -633,7 +637,7 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
                         **forecast_report(f, steps, horizons, mode, names)}
 
     if d.is_main:
-        out = Path(args.json) if args.json else default_json(run_dir, stages, split, mode, mask, ckpt)
+        out = Path(args.json) if args.json else default_json(run_dir, stages, split, mode, mask, ckpt, horizons)
         print(format_table(rep))
         try:
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -1094,7 +1094,8 @@ def parse_args(argv=None):
     ev.add_argument("--mode", choices=("occworld", "exclude"),
                     help="classes absent from the ground truth: occworld (default: IoU 100%%, OccWorld's) or exclude")
     ev.add_argument("--horizons", help="forecast horizons in seconds, reported with their average (default: 1,2,3)")
-    ev.add_argument("--json", help="where to write the report (default: <run>/eval/<stages>_<split>_<mode>.json)")
+    ev.add_argument("--json", help="where to write the report (default: <run>/eval/<stages>_<split>_<mode>"
+                    "[_mask-<mask>][_h<horizons>].json)")
     return ap.parse_args(argv)
 
 
