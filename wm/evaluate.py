@@ -54,6 +54,7 @@ from wm.config import Config, DataConfig, to_dict
 from wm.data import OccWindows, check_against_config, ignore_stop_signals, resolve_root, start_workers
 from wm.datastats import moving_classes
 from wm.errors import DataError, WMError
+from wm.horizons import parse_horizons
 from wm.metrics import MODES, OCCWORLD_STEPS, ConfusionMatrix, copy_last
 from wm.tokenizer import Tokenizer
 from wm.world import WorldModel
@@ -499,15 +500,7 @@ def default_horizons(frame_rate_hz: float, stride: int, future: int) -> tuple[tu
 
 
 def _parse_horizons(text: Optional[str]) -> tuple[float, ...]:
-    if not text:
-        return PROTOCOL_HORIZONS
-    try:
-        hs = tuple(float(x.strip().rstrip("s")) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise WMError(f"--horizons {text!r}: give seconds separated by commas, e.g. 1,2,3") from None
-    if not hs or not all(math.isfinite(h) for h in hs):
-        raise WMError(f"--horizons {text!r}: give seconds separated by commas, e.g. 1,2,3")
-    return hs
+    return parse_horizons(text) if text else PROTOCOL_HORIZONS
 
 
 def _precision(dtype) -> str:
@@ -583,7 +576,9 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
     steps = None
     if "world" in stages:
         check_stride(plan, cfg, info.frame_rate_hz)
-        if not asked:
+        if not asked and cfg.data.horizons_s:  # the horizons this run is for
+            horizons, why = tuple(cfg.data.horizons_s), "data.horizons_s"
+        elif not asked:
             horizons, why = default_horizons(info.frame_rate_hz, cfg.data.stride, cfg.data.future)
         steps = horizon_steps(horizons, info.frame_rate_hz, cfg.data.stride, cfg.data.future,
                               longest=cfg.world.max_frames + 1 - cfg.data.past)

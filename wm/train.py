@@ -54,6 +54,7 @@ from wm.datastats import moving_classes, sample_counts
 from wm.errors import ConfigError, DataError, WMError, first_line
 from wm.logs import Logger, eta
 from wm.evaluate import autocast, eval_batches, evaluate_run, forecast, frames_config, reconstruction
+from wm.horizons import check_config_reaches, print_plan
 from wm.metrics import step_label
 from wm.tokenizer import Tokenizer, count_parameters
 from wm.viz import figure
@@ -376,6 +377,8 @@ def check_stages(run: Run) -> None:
         if s.best_metric not in metrics:
             raise ConfigError(f"{name}_stage.best_metric", f"{s.best_metric!r} is not a validation metric of "
                               f"the {name} stage; choose one of {', '.join(metrics)}")
+    if "world" in cfg.train.stages:
+        check_config_reaches(cfg, run.root, run.manifest.info.frame_rate_hz)
     if cfg.data.use_mask:
         bits = f"mask bits {cfg.data.mask_bits}" if cfg.data.mask_bits else "any nonzero mask value"
         run.say(f"masks: training and validation use only visible voxels (data.use_mask, {bits}): masked "
@@ -1093,7 +1096,9 @@ def parse_args(argv=None):
                     help="visibility mask: none (default, OccWorld's protocol) or a mask the data set has (mask)")
     ev.add_argument("--mode", choices=("occworld", "exclude"),
                     help="classes absent from the ground truth: occworld (default: IoU 100%%, OccWorld's) or exclude")
-    ev.add_argument("--horizons", help="forecast horizons in seconds, reported with their average (default: 1,2,3)")
+    ev.add_argument("--horizons", help="forecast horizons in seconds, reported with their average (default: "
+                    "data.horizons_s, else 1,2,3 where the windows reach them); without --eval-only: print a "
+                    "setting of data.past, data.future, data.stride, world.max_frames that reaches them, train nothing")
     ev.add_argument("--json", help="where to write the report (default: <run>/eval/<stages>_<split>_<mode>"
                     "[_mask-<mask>][_h<horizons>].json)")
     return ap.parse_args(argv)
@@ -1183,10 +1188,12 @@ def main(argv=None) -> int:
 
         print(reference())
         return 0
-    stray = [f for f in ("ckpt", "stage", "split", "mask", "mode", "horizons", "json") if getattr(args, f) is not None]
+    stray = [f for f in ("ckpt", "stage", "split", "mask", "mode", "json") if getattr(args, f) is not None]
     if stray and not args.eval_only:
         raise WMError(f"--{stray[0]} belongs to evaluation; add --eval-only (training ignores it)")
     cfg = load_config(args.cfg, args.set)
+    if args.horizons is not None and not args.eval_only:  # plan: a window setting that reaches them
+        return print_plan(cfg, args.horizons, resolve_root(cfg))
     if not args.eval_only:  # evaluation keeps the default Ctrl-C: nothing to save
         install_signal_handlers()
     d = D.init(cfg.train.device, cfg.train.timeout_s)

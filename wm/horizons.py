@@ -1,0 +1,167 @@
+"""Forecast horizons in seconds planned for a data set: which window setting reaches them.
+
+`python train.py --cfg cfg.json --horizons 1,2` (without --eval-only) prints one setting of
+data.past, data.future, data.stride and world.max_frames whose windows reach every horizon as a whole
+future step on the data set's scenes, or one line saying which horizon cannot be reached and why;
+`data.horizons_s` makes training refuse, before the first step, a setting that does not reach them,
+with the planned one in the message.
+
+The rule (one feasible setting, not an optimum): a horizon h is h x rate frames ahead, which must be
+a whole number; the stride must divide every horizon's frame count; future = longest / stride; a
+window spans (past - 1) x stride + longest + 1 frames and must fit a scene of every split. The past
+is the config's data.past, lowered only when no stride fits with it; among the strides that fit, the
+one whose step is nearest OccWorld's 0.5 s (then the smaller) is taken. world.max_frames is raised
+to past + future - 1 where it is shorter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from wm.errors import ConfigError, WMError
+
+STEP_S = 0.5  # OccWorld's step (2 Hz keyframes): the stride whose step is nearest is preferred
+
+
+@dataclass
+class Plan:
+    past: int
+    future: int
+    stride: int
+    max_frames: int
+    steps: list[int]  # 1-based future step of each horizon
+    windows: dict  # {split: windows of that split at this setting (window_step 1)}
+
+    @property
+    def span(self) -> int:
+        return (self.past + self.future - 1) * self.stride + 1
+
+
+def _secs(hs: Sequence[float]) -> str:
+    return ", ".join(f"{h:g} s" for h in hs)
+
+
+def parse_horizons(text: str) -> tuple[float, ...]:
+    """'1,2,3' or '0.5s,1s' -> seconds, or WMError saying how to write them."""
+    try:
+        hs = tuple(float(x.strip().rstrip("s")) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise WMError(f"--horizons {text!r}: give seconds separated by commas, e.g. 1,2,3") from None
+    if not hs or not all(math.isfinite(h) for h in hs):
+        raise WMError(f"--horizons {text!r}: give seconds separated by commas, e.g. 1,2,3")
+    return hs
+
+
+def frames_ahead(horizons: Sequence[float], rate: float) -> list[int]:
+    """Each horizon as a whole number of frames at `rate`, or WMError naming the one that is not."""
+    if not rate > 0:
+        raise WMError(f"the data set's frame_rate_hz is {rate}; horizons in seconds need a positive frame rate")
+    out = []
+    for h in horizons:
+        n = h * rate
+        if not h > 0 or abs(n - round(n)) > 1e-6 * max(1.0, n):
+            raise WMError(f"horizon {h:g} s is not a whole number of frames at {rate:g} Hz (a frame every "
+                          f"{1 / rate:g} s); choose horizons that are multiples of {1 / rate:g} s")
+        out.append(int(round(n)))
+    return out
+
+
+def windows(lengths: np.ndarray, span: int) -> int:
+    """Windows of `span` frames (one starting at every frame) in scenes of `lengths` frames."""
+    return int(np.maximum(0, np.asarray(lengths) - span + 1).sum())
+
+
+def plan(horizons: Sequence[float], rate: float, lengths: dict, past: int, max_frames: int) -> Plan:
+    """One setting that reaches every horizon (seconds) in scenes of `lengths` ({split: frames per
+    scene}) at `rate` Hz, starting from data.past = `past` and world.max_frames = `max_frames`; or
+    WMError (one line) naming the horizon no window can reach and why."""
+    ahead = frames_ahead(horizons, rate)
+    longest = max(ahead)
+    for split, ls in lengths.items():  # even one past frame needs longest + 1 frames of one scene
+        top = int(max(ls)) if len(ls) else 0
+        if longest + 1 > top:
+            far = [h for h, n in zip(horizons, ahead) if n + 1 > top]
+            raise WMError(f"horizon {_secs(far)} cannot be reached on this data set: at {rate:g} Hz "
+                          f"{max(far):g} s is {longest} frames ahead, so a window needs at least {longest + 1} frames "
+                          f"(1 past frame + {longest}), but the longest {split} scene has {top}; horizons up to "
+                          f"{max(0, top - 1) / rate:g} s fit (or record longer scenes)")
+    g = math.gcd(*ahead)
+    strides = sorted((s for s in range(1, g + 1) if g % s == 0),
+                     key=lambda s: (abs(math.log(s / rate / STEP_S)), s))
+    for p in range(max(1, past), 0, -1):
+        for s in strides:
+            span = (p - 1) * s + longest + 1
+            counts = {split: windows(ls, span) for split, ls in lengths.items()}
+            if all(counts.values()):
+                f = longest // s
+                return Plan(p, f, s, max(max_frames, p + f - 1), [n // s for n in ahead], counts)
+    raise AssertionError("unreachable: one past frame at stride 1 fits (checked above)")
+
+
+def describe(pl: Plan, horizons: Sequence[float], rate: float, past: int, root) -> str:
+    """The plan as printed by `train.py --horizons` (several lines): the setting, what it means, how to use it."""
+    dt = pl.stride / rate
+    at = ", ".join(f"{h:g} s = t+{k}" for h, k in zip(horizons, pl.steps))
+    keys = {"data.past": pl.past, "data.future": pl.future, "data.stride": pl.stride, "world.max_frames": pl.max_frames}
+    lines = [f"horizons {_secs(horizons)} on {root} ({rate:g} Hz):",
+             "  " + " ".join(f"{k}={v}" for k, v in keys.items()),
+             f"  one step = {dt:g} s ({pl.stride} frame{'s' if pl.stride > 1 else ''}); {at}; a window spans "
+             f"{pl.span} frames: " + ", ".join(f"{n} {split} window{'s' if n != 1 else ''}" for split, n in pl.windows.items())]
+    if pl.past < past:
+        lines.append(f"  data.past lowered from {past}: with {past} past frames no stride whose steps reach these "
+                     "horizons gives every split a window")
+    lines.append("  train with: " + " ".join(f"--set {k}={v}" for k, v in keys.items())
+                 + f" --set data.horizons_s={','.join(f'{h:g}' for h in horizons)}")
+    return "\n".join(lines)
+
+
+def scene_lengths(root, splits: Sequence[str]) -> dict:
+    """{split: frames of each scene} of a data set, from its shards' scene offsets (no frame is read)."""
+    from wm.shards import open_split
+
+    out = {}
+    for split in splits:
+        _, shards = open_split(root, split)
+        out[split] = np.concatenate([np.diff(sh.scene_offsets) for sh in shards])
+    return out
+
+
+def reached(horizons: Sequence[float], rate: float, stride: int, future: int) -> bool:
+    """Whether windows of `future` steps of `stride` frames at `rate` Hz hold every horizon as a whole step."""
+    ks = [h * rate / stride for h in horizons] if rate > 0 else [math.nan]
+    return all(abs(k - round(k)) <= 1e-6 * max(1.0, k) and 1 <= round(k) <= future for k in ks)
+
+
+def check_config_reaches(cfg, root, rate: float) -> None:
+    """data.horizons_s against the window setting, before training: ConfigError with a setting that
+    reaches them on this data set (or why none can) when the configured windows do not."""
+    d = cfg.data
+    if not d.horizons_s or reached(d.horizons_s, rate, d.stride, d.future):
+        return
+    have = f"data.past={d.past} data.future={d.future} data.stride={d.stride} at {rate:g} Hz"
+    try:
+        pl = plan(d.horizons_s, rate, scene_lengths(root, (d.train_split, d.val_split)), d.past, cfg.world.max_frames)
+    except WMError as e:
+        raise ConfigError("data.horizons_s", f"{_secs(d.horizons_s)} are not reached by {have}, and {e}") from None
+    keys = {"data.past": pl.past, "data.future": pl.future, "data.stride": pl.stride, "world.max_frames": pl.max_frames}
+    raise ConfigError("data.horizons_s", f"{_secs(d.horizons_s)} are not reached by {have} (one step = "
+                      f"{d.stride / rate:g} s, {d.future} steps); a setting that reaches them on this data set: "
+                      + " ".join(f"--set {k}={v}" for k, v in keys.items()))
+
+
+def print_plan(cfg, text: str, root) -> int:
+    """`train.py --horizons 1,2` without --eval-only: print the plan for the config's data set (or
+    raise WMError: one line), train nothing."""
+    from wm.shards import load_manifest
+
+    hs = parse_horizons(text)
+    rate = load_manifest(root).info.frame_rate_hz
+    d = cfg.data
+    pl = plan(hs, rate, scene_lengths(root, (d.train_split, d.val_split)), d.past, cfg.world.max_frames)
+    print(describe(pl, hs, rate, d.past, root))
+    print("(nothing trained: --horizons without --eval-only plans; with --eval-only it chooses the horizons scored)")
+    return 0
