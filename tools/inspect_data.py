@@ -37,7 +37,8 @@ def print_stats(stats: dict, class_names, free: int, pal: np.ndarray) -> None:
     for name, v in sorted(stats["classes"].items(), key=lambda kv: -kv[1]):
         c = class_names.index(name)
         print(f"  {c:>3} {name:<22}{v:>8.3f} %   rgb{tuple(int(x) for x in pal[c])}")
-    print(f"against two Occ3D-nuScenes frames (range = lowest / {FACTOR:g} .. highest x {FACTOR:g}, in %):")
+    print(f"against two public Occ3D-nuScenes frames (range = lowest / {FACTOR:g} .. highest x {FACTOR:g}, in %; "
+          "vehicles and people from 0, as a real frame may hold none; a guide, not a test):")
     for what, v, lo, hi, ok in compare(stats):
         print(f"  {what:<18}{v:>8.2f}   [{lo:6.2f}, {hi:6.2f}]  {'ok' if ok else 'outside'}")
 
