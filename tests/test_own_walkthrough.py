@@ -30,6 +30,7 @@ def fabricate(root: Path, grid=(16, 16, 4), hz: float = 10.0, t0: float = 1.533e
     person walking; the ego creeping forward. drive_01 and drive_03 write poses.csv (x, y, z, yaw),
     the others poses.json (4x4 matrices), timestamps in seconds (Unix time)."""
     X, Y, Z = grid
+    u = max(1, min(X, Y) // 16)  # objects grow with the grid: one voxel at 16 x 16
     c = {n: i for i, n in enumerate(CLASSES)}
     for k, (name, n) in enumerate(DRIVES.items()):
         d = root / name
@@ -37,20 +38,20 @@ def fabricate(root: Path, grid=(16, 16, 4), hz: float = 10.0, t0: float = 1.533e
         base = np.zeros(grid, np.uint8)
         base[:, :, 0] = c["apron"]
         base[:, Y // 2, 0] = c["marking"]
-        base[:1, :, 1:] = c["building"]
+        base[:u, :, 1:] = c["building"]
         base[:, -1, 1:2] = c["fence"]
         base[X // 2, 1, 1:] = c["pole"]
-        base[X - 2, 2 + k % 3, 1] = c["cone"]
+        base[X - 2 * u, (2 + k % 3) * u, 1] = c["cone"]
         for i in range(n):
             occ = base.copy()
-            ax = 1 + (k + i // 4) % (X - 6)  # aircraft: 4 x 3 x 2 voxels, one voxel every 4 frames
-            occ[ax:ax + 4, 2:5, 1:3] = c["aircraft"]
-            ty = (3 * k + i // 2) % (Y - 4)  # tug and cart along y, a voxel every 2 frames
-            occ[X - 3, ty, 1] = c["tug"]
-            occ[X - 3, ty + 1:ty + 3, 1] = c["baggage_cart"]
-            occ[ax + 1, 5 + (i // 6) % 2, 1] = c["belt_loader"]
-            p = 2 + (k + i // 3) % (min(X, Y) - 5)
-            occ[p, Y - 3 - p % 3, 1:min(Z, 3)] = c["person"]
+            ax = u * (1 + (k + i // 4) % (X // u - 6))  # aircraft: 4 x 3 x 2 units, one unit every 4 frames
+            occ[ax:ax + 4 * u, 2 * u:5 * u, 1:3] = c["aircraft"]
+            ty = u * ((3 * k + i // 2) % (Y // u - 4))  # tug and cart along y, a unit every 2 frames
+            occ[X - 3 * u:X - 2 * u, ty:ty + u, 1] = c["tug"]
+            occ[X - 3 * u:X - 2 * u, ty + u:ty + 3 * u, 1] = c["baggage_cart"]
+            occ[ax + u:ax + 2 * u, (5 + (i // 6) % 2) * u:(6 + (i // 6) % 2) * u, 1] = c["belt_loader"]
+            p = 2 + (k + i // 3) % (min(X, Y) // u - 5)
+            occ[p * u, Y - (3 + p % 3) * u, 1:min(Z, 3)] = c["person"]
             np.save(d / f"{i:06d}.npy", occ)
         t = t0 + 100 * k + np.arange(n) / hz
         x = 0.05 * np.arange(n)
@@ -81,7 +82,7 @@ def air(tmp_path_factory):
 
 def settings(base: Path, **over) -> list[str]:
     s = {"data.root": base / "data", "data.grid": "16,16,4", "data.num_classes": 12, "data.free_class": 0,
-         "data.past": 2, "data.num_workers": 0, "tokenizer.widths": "8,8", "tokenizer.codebook_size": 16,
+         "data.num_workers": 0, "tokenizer.widths": "8,8", "tokenizer.codebook_size": 16,
          "tokenizer.code_dim": 8, "world.widths": "8,16", "world.heads": 2, "train.device": "cpu",
          "train.amp": "fp32", "train.tensorboard": "false", "train.log_every": 1, "train.world_crop": 0,
          "tokenizer_stage.batch_size": 2, "tokenizer_stage.max_steps": 2, "tokenizer_stage.warmup_steps": 1,
@@ -94,21 +95,22 @@ PLAN = {"data.past": 2, "data.future": 4, "data.stride": 5, "world.max_frames": 
 
 
 def test_horizons_are_planned_for_the_data_set(air, capsys):
-    # 1 s, 2 s at 10 Hz = 10, 20 frames ahead; 2 past frames at stride 5 (0.5 s steps) span 26 frames:
-    # drives of 26 and 30 frames train (1 + 5 windows), the 27-frame drive validates (2 windows)
+    # 1 s, 2 s at 10 Hz = 10, 20 frames ahead; at stride 5 (0.5 s steps) the 27-frame val drive holds 2 past
+    # frames (a 26-frame span), not data.past's 5: drives of 26 and 30 frames train (1 + 5 windows), 2 val windows
     assert T.main(settings(air) + ["--horizons", "1,2"]) == 0
     out = capsys.readouterr().out
     assert " ".join(f"{k}={v}" for k, v in PLAN.items()) in out, out
     assert "1 s = t+2, 2 s = t+4; a window spans 26 frames: 6 train windows, 2 val windows" in out, out
+    assert "data.past lowered from 5" in out
     assert not (air / "runs" / "airside").exists()  # nothing trained
     with pytest.raises(WMError, match=r"^horizon 3 s cannot be reached on this data set: at 10 Hz 3 s is 30 frames "
                                       r"ahead, so a window needs at least 31 frames \(1 past frame \+ 30\), but the "
-                                      r"longest train scene has 30"):
+                                      r"longest val scene has 27; horizons up to 2\.6 s fit"):
         T.main(settings(air) + ["--horizons", "1,2,3"])
 
 
 def test_training_refuses_windows_that_miss_data_horizons_s_naming_the_plan(air, restore_signals):
-    with pytest.raises(ConfigError, match=r"'data\.horizons_s': 1 s, 2 s are not reached by data\.past=2 "
+    with pytest.raises(ConfigError, match=r"'data\.horizons_s': 1 s, 2 s are not reached by data\.past=5 "
                                           r"data\.future=2 data\.stride=5 at 10 Hz .*--set data\.past=2 --set "
                                           r"data\.future=4 --set data\.stride=5 --set world\.max_frames=16$"):
         T.main(settings(air, **{"data.future": 2, "data.stride": 5, "data.horizons_s": "1,2",

@@ -8,10 +8,10 @@ with the planned one in the message.
 
 The rule (one feasible setting, not an optimum): a horizon h is h x rate frames ahead, which must be
 a whole number; the stride must divide every horizon's frame count; future = longest / stride; a
-window spans (past - 1) x stride + longest + 1 frames and must fit a scene of every split. The past
-is the config's data.past, lowered only when no stride fits with it; among the strides that fit, the
-one whose step is nearest OccWorld's 0.5 s (then the smaller) is taken. world.max_frames is raised
-to past + future - 1 where it is shorter.
+window spans (past - 1) x stride + longest + 1 frames and must fit a scene of every split. Each
+stride takes the most past frames (up to data.past) that fit; of those settings, one with at least
+two past frames, then the step nearest OccWorld's 0.5 s, then the longer past is taken.
+world.max_frames is raised to past + future - 1 where it is shorter.
 """
 
 from __future__ import annotations
@@ -81,25 +81,29 @@ def plan(horizons: Sequence[float], rate: float, lengths: dict, past: int, max_f
     WMError (one line) naming the horizon no window can reach and why."""
     ahead = frames_ahead(horizons, rate)
     longest = max(ahead)
-    for split, ls in lengths.items():  # even one past frame needs longest + 1 frames of one scene
-        top = int(max(ls)) if len(ls) else 0
-        if longest + 1 > top:
-            far = [h for h, n in zip(horizons, ahead) if n + 1 > top]
-            raise WMError(f"horizon {_secs(far)} cannot be reached on this data set: at {rate:g} Hz "
-                          f"{max(far):g} s is {longest} frames ahead, so a window needs at least {longest + 1} frames "
-                          f"(1 past frame + {longest}), but the longest {split} scene has {top}; horizons up to "
-                          f"{max(0, top - 1) / rate:g} s fit (or record longer scenes)")
+    tops = {split: int(max(ls)) if len(ls) else 0 for split, ls in lengths.items()}
+    split, top = min(tops.items(), key=lambda kv: kv[1])  # the split whose longest scene is shortest
+    if longest + 1 > top:  # even one past frame needs longest + 1 frames of one scene
+        far = [h for h, n in zip(horizons, ahead) if n + 1 > top]
+        raise WMError(f"horizon {_secs(far)} cannot be reached on this data set: at {rate:g} Hz "
+                      f"{max(far):g} s is {longest} frames ahead, so a window needs at least {longest + 1} frames "
+                      f"(1 past frame + {longest}), but the longest {split} scene has {top}; horizons up to "
+                      f"{max(0, top - 1) / rate:g} s fit (or record longer scenes)")
     g = math.gcd(*ahead)
-    strides = sorted((s for s in range(1, g + 1) if g % s == 0),
-                     key=lambda s: (abs(math.log(s / rate / STEP_S)), s))
-    for p in range(max(1, past), 0, -1):
-        for s in strides:
-            span = (p - 1) * s + longest + 1
-            counts = {split: windows(ls, span) for split, ls in lengths.items()}
-            if all(counts.values()):
-                f = longest // s
-                return Plan(p, f, s, max(max_frames, p + f - 1), [n // s for n in ahead], counts)
-    raise AssertionError("unreachable: one past frame at stride 1 fits (checked above)")
+    fits = []  # (past, stride) whose window fits a scene of every split
+    for st in (s for s in range(1, g + 1) if g % s == 0):
+        p = min(max(1, past), (min(tops.values()) - longest - 1) // st + 1)
+        while p >= 1 and not all(windows(ls, (p - 1) * st + longest + 1) for ls in lengths.values()):
+            p -= 1
+        if p >= 1:
+            fits.append((p, st))
+    # two past frames or more first (one gives the model no motion to go on), then the step nearest
+    # STEP_S, then the longer past, then the smaller stride
+    p, st = min(fits, key=lambda f: (f[0] < min(2, past), abs(math.log(f[1] / rate / STEP_S)), -f[0], f[1]))
+    f = longest // st
+    span = (p - 1) * st + longest + 1
+    return Plan(p, f, st, max(max_frames, p + f - 1), [n // st for n in ahead],
+                {split: windows(ls, span) for split, ls in lengths.items()})
 
 
 def describe(pl: Plan, horizons: Sequence[float], rate: float, past: int, root) -> str:
@@ -112,8 +116,8 @@ def describe(pl: Plan, horizons: Sequence[float], rate: float, past: int, root) 
              f"  one step = {dt:g} s ({pl.stride} frame{'s' if pl.stride > 1 else ''}); {at}; a window spans "
              f"{pl.span} frames: " + ", ".join(f"{n} {split} window{'s' if n != 1 else ''}" for split, n in pl.windows.items())]
     if pl.past < past:
-        lines.append(f"  data.past lowered from {past}: with {past} past frames no stride whose steps reach these "
-                     "horizons gives every split a window")
+        lines.append(f"  data.past lowered from {past}: {past} past frames at this stride would span "
+                     f"{(past + pl.future - 1) * pl.stride + 1} frames, more than a scene of every split holds")
     lines.append("  train with: " + " ".join(f"--set {k}={v}" for k, v in keys.items())
                  + f" --set data.horizons_s={','.join(f'{h:g}' for h in horizons)}")
     return "\n".join(lines)

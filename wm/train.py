@@ -358,9 +358,11 @@ def check_stages(run: Run) -> None:
     """Every check that can fail a stage, for each stage still to run, before the first step of the
     first one (a world stage that cannot start must not wait for hours of tokenizer training): both
     splits present with windows at the stage's settings (window length at data.stride), the batch
-    against the training windows, the best_metric. Window indexes come from scene offsets alone,
+    against the training windows, the best_metric, and data.horizons_s against the windows. Window indexes come from scene offsets alone,
     so this reads no frames. Also says whether training uses the visibility mask."""
     cfg, d = run.cfg, run.d
+    if "world" in cfg.train.stages:  # first: the setting that reaches data.horizons_s, not "shorten the window"
+        check_config_reaches(cfg, run.root, run.manifest.info.frame_rate_hz)
     for name in cfg.train.stages:
         if (run.stage_dir(name) / "done.json").is_file():
             continue
@@ -377,8 +379,6 @@ def check_stages(run: Run) -> None:
         if s.best_metric not in metrics:
             raise ConfigError(f"{name}_stage.best_metric", f"{s.best_metric!r} is not a validation metric of "
                               f"the {name} stage; choose one of {', '.join(metrics)}")
-    if "world" in cfg.train.stages:
-        check_config_reaches(cfg, run.root, run.manifest.info.frame_rate_hz)
     if cfg.data.use_mask:
         bits = f"mask bits {cfg.data.mask_bits}" if cfg.data.mask_bits else "any nonzero mask value"
         run.say(f"masks: training and validation use only visible voxels (data.use_mask, {bits}): masked "
