@@ -39,7 +39,7 @@ def test_plan_keeps_the_past_where_the_scenes_hold_it():
     assert "data.past=2 data.future=4 data.stride=5 world.max_frames=16" in text
     assert "one step = 0.5 s (5 frames); 1 s = t+2, 2 s = t+4; a window spans 26 frames: 6 train windows, " \
            "2 val windows" in text
-    assert "data.past lowered from 5: 5 past frames at this stride would span 41 frames" in text
+    assert "data.past lowered from 5: at this stride 5 past frames would span 41 frames" in text
     assert "--set data.past=2 --set data.future=4 --set data.stride=5 --set world.max_frames=16 " \
            "--set data.horizons_s=1,2" in text
 

@@ -142,3 +142,23 @@ def test_walkthrough_reaches_1s_and_2s_and_shows_the_moving_classes(air, restore
     assert rep["world"]["horizons"] == ["1s", "2s"] and rep["world"]["steps"] == [1, 3]
     assert rep["world"]["horizons_why"] == "data.horizons_s" and rep["moving_classes"] == MOVING
     assert "1s (t+2)" in out and "moving classes, IoU per horizon" in out and "baggage_cart" in out
+
+
+def test_the_readme_says_what_the_tools_do():
+    """The own-recordings section and the Occ3D section against the code (behaviour: tests/test_int8.py
+    for --eval-windows beyond the split, tests/test_convert.py for the chain ends)."""
+    from wm.convert import CHAIN_END
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert "is refused when the validation split has fewer" not in text
+    assert "the default, 64, also takes all of them, with a note, when the validation split has fewer" in text
+    assert set(CHAIN_END) == {None, "", "EOF"}
+    assert ("a scene's first frame's `prev` and its last frame's `next` are `\"EOF\"` (nuScenes' own sample table "
+            "writes `\"\"` there); the converter takes either, or `null`, as the scene's end") in text
+    # the worked example's commands and files are the ones this module runs
+    for cmd in ("python tools/convert_frames.py --root recordings --out data/airside --classes-json classes.json "
+                "--val-scenes drive_04 --verify", "python train.py --cfg airside.json --horizons 1,2",
+                "python train.py --cfg airside.json --eval-only", '"moving_classes": ["aircraft", "tug", '
+                '"baggage_cart", "belt_loader", "person"]', "Four drives of 24, 26, 30 and 27 frames at 10 Hz"):
+        assert cmd in text, cmd
+    assert list(DRIVES.values()) == [24, 26, 30, 27]

@@ -33,7 +33,7 @@ def test_final_table_labels_steps_in_seconds_and_keeps_whole_class_names():
 
 def test_eval_table_labels_horizons_with_their_steps():
     b = {"iou": [40.0, 30.0], "miou": [20.0, 10.0], "iou_avg": 35.0, "miou_avg": 15.0,
-         "per_class_avg": {"free": 1.0, "car": 2.0}, "per_class": {"free": [1.0, 1.0], "car": [2.0, 2.0]}}
+         "per_class_avg": {"free": 1.0, "car": 61.5}, "per_class": {"free": [1.0, 1.0], "car": [23.125, 100.0]}}
     rep = {"split": "val", "mask": "none", "mode": "occworld", "world_size": 1, "device": "cpu", "precision": "fp32",
            "class_names": ["car", "free"], "free_class": 1, "moving_classes": ["car"],
            "world": {"checkpoint": "w.pt", "step": 3, "tokenizer_checkpoint": "t.pt", "tokenizer_sha256": "ab" * 32,
@@ -43,7 +43,7 @@ def test_eval_table_labels_horizons_with_their_steps():
     head = next(ln for ln in lines if "avg" in ln and "1s" in ln)
     assert head.split() == ["1s", "(t+2)", "2s", "(t+4)", "avg"]
     i = lines.index("  moving classes, IoU per horizon, forecast / copy-last:")
-    assert lines[i + 2].split() == ["car", "2.0", "/", "2.0", "2.0", "/", "2.0", "2.0", "/", "2.0"]
+    assert lines[i + 2].split() == ["car", "23.1", "/", "23.1", "100.0", "/", "100.0", "61.5", "/", "61.5"]
 
 
 def test_export_report_labels_steps_in_seconds():

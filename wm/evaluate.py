@@ -314,13 +314,13 @@ def format_table(rep: dict) -> str:
                 lines.append(f"  {label:<5}{name:<11}{cells}")
         moving = [n for n in rep.get("moving_classes", ()) if n in wor["forecast"]["per_class"]]
         if moving:
-            w = max(16, max(len(n) + 1 for n in moving))
+            w, mw = max(16, max(len(n) + 1 for n in moving)), max(cw, 15)  # a cell: "100.0 / 100.0"
             lines.append("  moving classes, IoU per horizon, forecast / copy-last:")
-            lines.append(f"  {'':<{w}}{head}")
+            lines.append(f"  {'':<{w}}" + "".join(f"{c:>{mw}}" for c in cols))
             for n in moving:
                 pairs = list(zip(wor["forecast"]["per_class"][n], wor["copy_last"]["per_class"][n]))
                 pairs.append((wor["forecast"]["per_class_avg"][n], wor["copy_last"]["per_class_avg"][n]))
-                lines.append(f"  {n:<{w}}" + "".join(f"{_pct(a) + ' / ' + _pct(b):>{cw}}" for a, b in pairs))
+                lines.append(f"  {n:<{w}}" + "".join(f"{_pct(a) + ' / ' + _pct(b):>{mw}}" for a, b in pairs))
     names = rep["class_names"]
     cols = []
     if tok:
