@@ -26,8 +26,11 @@ def test_final_table_labels_steps_in_seconds_and_keeps_whole_class_names():
     moving = lines[lines.index("moving classes, IoU per future step, forecast / copy-last:") + 1:]
     assert moving[0].split()[0] == "step" and "t+2 (1s)" in moving[0]
     assert moving[1].split()[:4] == ["construction_vehicle", "31.2", "/", "-"]
-    # unknown rate: steps only
-    assert "(0.5s)" not in T.final_table(cfg, {"world": r})
+    # unknown rate: steps only; no moving classes: said, with where to declare them
+    plain = T.final_table(cfg, {"world": r})
+    assert "(0.5s)" not in plain and "moving classes, IoU" not in plain
+    assert plain.splitlines()[-1].startswith("(no moving classes: the data set declares none") and \
+        "data.moving_classes" in plain
     assert T.make_summary(cfg, {"world": r}, step_s=0.5)["world"]["seconds"] == [0.5, 1.0]
 
 

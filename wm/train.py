@@ -1122,7 +1122,9 @@ def final_table(cfg: Config, results: dict, moving=(), step_s: Optional[float] =
             cells = "".join(f"{r.get(f'{pre}iou_t{t + 1}', float('nan')):>7.2f}/{r.get(f'{pre}miou_t{t + 1}', float('nan')):<6.2f}"
                             for t in range(S))
             lines.append(f"{name:<10}{cells}{r.get(pre + 'iou', float('nan')):>7.2f}/{r.get(pre + 'miou', float('nan')):<6.2f}")
-        lines += moving_table(r, S, moving, head)
+        lines += moving_table(r, S, moving, head) if moving else [
+            "(no moving classes: the data set declares none and has no nuScenes-named ones; set "
+            "data.moving_classes, or moving_classes in classes.json at conversion)"]
     return "\n".join(lines)
 
 
@@ -1238,9 +1240,6 @@ def main(argv=None) -> int:
             moving = moving_classes(run.manifest.info, cfg.data.moving_classes)
             step_s = step_seconds(cfg, run.manifest.info)
             table = final_table(cfg, results, moving, step_s)
-            if "world" in results and not moving:
-                table += (f"\n(no moving classes: the data set {run.root} declares none and has no nuScenes-named "
-                          "ones; set data.moving_classes, or moving_classes in classes.json at conversion)")
             minutes = (time.time() - t0) / 60
             print(f"\nrun {run.dir} finished in {minutes:.1f} min\n{table}")
             summary = make_summary(cfg, results, moving, step_s)
