@@ -54,7 +54,7 @@ from wm.config import Config, DataConfig, to_dict
 from wm.data import OccWindows, check_against_config, ignore_stop_signals, resolve_root, start_workers
 from wm.datastats import moving_classes
 from wm.errors import DataError, WMError
-from wm.horizons import parse_horizons
+from wm.horizons import PROTOCOL_HORIZONS, default_horizons, horizon_label, horizon_steps, parse_horizons
 from wm.metrics import MODES, OCCWORLD_STEPS, ConfusionMatrix, copy_last
 from wm.tokenizer import Tokenizer
 from wm.world import WorldModel
@@ -66,7 +66,6 @@ __all__ = ["MASK_FIELDS", "PROTOCOL_HORIZONS", "Recon", "Forecast", "reconstruct
 # "none" scores every voxel. "camera" / "lidar" are offered where the manifest's shards record
 # mask_bits (tools/convert_occ3d.py: camera = 1, lidar = 2).
 MASK_FIELDS = {"mask": 0, "camera": None, "lidar": None}
-PROTOCOL_HORIZONS = (1.0, 2.0, 3.0)  # seconds: OccWorld reports the 1 s, 2 s and 3 s future frames
 STAGE_WORDS = {"tokenizer": "tokenizer", "world": "world-model"}
 
 # config keys that change training but not the function a checkpoint computes: they may differ
@@ -188,51 +187,6 @@ def forecast(tokenizer: Tokenizer, world: WorldModel, batches: Iterable[dict], d
 
 # ---------------------------------------------------------------------------------------------
 # horizons, summaries, the table
-
-
-def horizon_label(h: float) -> str:
-    return f"{h:g}s"
-
-
-def horizon_steps(horizons: Sequence[float], frame_rate_hz: float, stride: int, future: int,
-                  longest: Optional[int] = None) -> list[int]:
-    """0-based future-step indices of `horizons` (seconds after the last past frame). `longest`: the
-    most future frames the model's config admits (world.max_frames + 1 - data.past), if known.
-
-    Future step k (1-based) lies k * stride / frame_rate_hz seconds ahead. A horizon between two
-    steps, or beyond the `future` steps the windows hold, raises WMError naming what would reach it.
-    At 2 Hz and stride 1, (1, 2, 3) s -> [1, 3, 5] = metrics.OCCWORLD_STEPS."""
-    if not horizons:
-        raise WMError("--horizons: give at least one horizon in seconds, e.g. 1,2,3")
-    if not frame_rate_hz > 0:
-        raise DataError(f"the data set's frame_rate_hz is {frame_rate_hz}; horizons in seconds need a "
-                        "positive frame rate in manifest.json")
-    dt = stride / frame_rate_hz  # seconds per future step
-    steps, short = [], []
-    for h in horizons:
-        k = h / dt
-        if not h > 0 or abs(k - round(k)) > 1e-6 * max(1.0, abs(k)) or round(k) < 1:
-            raise WMError(f"horizon {h:g} s is not a whole number of future steps: the data is "
-                          f"{frame_rate_hz:g} Hz at data.stride={stride}, one step every {dt:g} s; choose "
-                          f"--horizons that are multiples of {dt:g} s or another data.stride")
-        k = int(round(k))
-        if k > future:
-            short.append((h, k))
-        steps.append(k - 1)
-    if short:
-        need = max(k for _, k in short)
-        reach = future * dt
-        fix = f"evaluate with --set data.future={need} (the windows may differ from training)"
-        if longest is not None and need > longest:  # that would be refused by world.max_frames: say so now
-            fix = (f"this model takes data.future <= {longest} (world.max_frames), so those horizons need a model "
-                   f"trained at a larger data.stride (one step = stride / {frame_rate_hz:g} Hz)")
-        raise WMError(f"eval horizon too short: data.future={future} at {frame_rate_hz:g} Hz, stride {stride} "
-                      f"reaches {reach:g} s, but {', '.join(f'{h:g} s' for h, _ in short)} "
-                      f"need{'s' if len(short) == 1 else ''} data.future >= {need}; {fix} or ask for "
-                      f"--horizons up to {reach:g} s")
-    if len(set(steps)) != len(steps):
-        raise WMError(f"--horizons {','.join(horizon_label(h) for h in horizons)} name a future step twice")
-    return steps
 
 
 def _per_class(values: Sequence, names: Sequence[str]) -> dict:
@@ -476,27 +430,6 @@ def _mask_field(name: str, manifest) -> Optional[int]:
         raise WMError(f"--mask {name}: the data set's manifest names no {name} mask bits; it offers: "
                       f"{', '.join(have)}")
     return named[name]
-
-
-def default_horizons(frame_rate_hz: float, stride: int, future: int) -> tuple[tuple[float, ...], str]:
-    """The horizons --eval-only uses without --horizons, and why: OccWorld's 1 s, 2 s, 3 s where the
-    windows reach them in whole steps; otherwise the future steps at a third, two thirds and all of
-    the window (the protocol's shape: steps 2, 4, 6 of 6), in seconds."""
-    if not frame_rate_hz > 0:
-        return PROTOCOL_HORIZONS, "OccWorld's protocol"
-    dt = stride / frame_rate_hz
-    ks = [h / dt for h in PROTOCOL_HORIZONS]
-    whole = all(abs(k - round(k)) <= 1e-6 * max(1.0, k) for k in ks)
-    if whole and round(ks[-1]) <= future:
-        return PROTOCOL_HORIZONS, ""
-    steps = sorted({max(1, round(i * future / 3)) for i in (1, 2, 3)})
-    hs = tuple(round(k * dt, 6) for k in steps)
-    if whole:
-        need = f"need data.future >= {round(ks[-1])} at this stride"
-    else:
-        need = f"are not whole steps of {dt:g} s (data.stride={stride} at {frame_rate_hz:g} Hz)"
-    return hs, (f"the default for these windows ({future} future frames at {frame_rate_hz:g} Hz, stride {stride}, "
-                f"reach {future * dt:g} s); OccWorld's 1 s, 2 s, 3 s {need}; --horizons chooses others")
 
 
 def _parse_horizons(text: Optional[str]) -> tuple[float, ...]:

@@ -1,4 +1,5 @@
-"""Forecast horizons in seconds planned for a data set: which window setting reaches them.
+"""Forecast horizons in seconds: which future step each one is (`horizon_steps`, the horizons
+--eval-only takes by default: `default_horizons`), and which window setting reaches them on a data set.
 
 `python train.py --cfg cfg.json --horizons 1,2` (without --eval-only) prints one setting of
 data.past, data.future, data.stride and world.max_frames whose windows reach every horizon as a whole
@@ -18,13 +19,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
-from wm.errors import ConfigError, WMError
+from wm.errors import ConfigError, DataError, WMError
 
 STEP_S = 0.5  # OccWorld's step (2 Hz keyframes): the stride whose step is nearest is preferred
+PROTOCOL_HORIZONS = (1.0, 2.0, 3.0)  # seconds: OccWorld reports the 1 s, 2 s and 3 s future frames
 
 
 @dataclass
@@ -43,6 +45,72 @@ class Plan:
 
 def _secs(hs: Sequence[float]) -> str:
     return ", ".join(f"{h:g} s" for h in hs)
+
+
+def horizon_label(h: float) -> str:
+    return f"{h:g}s"
+
+
+def horizon_steps(horizons: Sequence[float], frame_rate_hz: float, stride: int, future: int,
+                  longest: Optional[int] = None) -> list[int]:
+    """0-based future-step indices of `horizons` (seconds after the last past frame). `longest`: the
+    most future frames the model's config admits (world.max_frames + 1 - data.past), if known.
+
+    Future step k (1-based) lies k * stride / frame_rate_hz seconds ahead. A horizon between two
+    steps, or beyond the `future` steps the windows hold, raises WMError naming what would reach it.
+    At 2 Hz and stride 1, (1, 2, 3) s -> [1, 3, 5] = metrics.OCCWORLD_STEPS."""
+    if not horizons:
+        raise WMError("--horizons: give at least one horizon in seconds, e.g. 1,2,3")
+    if not frame_rate_hz > 0:
+        raise DataError(f"the data set's frame_rate_hz is {frame_rate_hz}; horizons in seconds need a "
+                        "positive frame rate in manifest.json")
+    dt = stride / frame_rate_hz  # seconds per future step
+    steps, short = [], []
+    for h in horizons:
+        k = h / dt
+        if not h > 0 or abs(k - round(k)) > 1e-6 * max(1.0, abs(k)) or round(k) < 1:
+            raise WMError(f"horizon {h:g} s is not a whole number of future steps: the data is "
+                          f"{frame_rate_hz:g} Hz at data.stride={stride}, one step every {dt:g} s; choose "
+                          f"--horizons that are multiples of {dt:g} s or another data.stride")
+        k = int(round(k))
+        if k > future:
+            short.append((h, k))
+        steps.append(k - 1)
+    if short:
+        need = max(k for _, k in short)
+        reach = future * dt
+        fix = f"evaluate with --set data.future={need} (the windows may differ from training)"
+        if longest is not None and need > longest:  # that would be refused by world.max_frames: say so now
+            fix = (f"this model takes data.future <= {longest} (world.max_frames), so those horizons need a model "
+                   f"trained at a larger data.stride (one step = stride / {frame_rate_hz:g} Hz)")
+        raise WMError(f"eval horizon too short: data.future={future} at {frame_rate_hz:g} Hz, stride {stride} "
+                      f"reaches {reach:g} s, but {', '.join(f'{h:g} s' for h, _ in short)} "
+                      f"need{'s' if len(short) == 1 else ''} data.future >= {need}; {fix} or ask for "
+                      f"--horizons up to {reach:g} s")
+    if len(set(steps)) != len(steps):
+        raise WMError(f"--horizons {','.join(horizon_label(h) for h in horizons)} name a future step twice")
+    return steps
+
+
+def default_horizons(frame_rate_hz: float, stride: int, future: int) -> tuple[tuple[float, ...], str]:
+    """The horizons --eval-only uses without --horizons, and why: OccWorld's 1 s, 2 s, 3 s where the
+    windows reach them in whole steps; otherwise the future steps at a third, two thirds and all of
+    the window (the protocol's shape: steps 2, 4, 6 of 6), in seconds."""
+    if not frame_rate_hz > 0:
+        return PROTOCOL_HORIZONS, "OccWorld's protocol"
+    dt = stride / frame_rate_hz
+    ks = [h / dt for h in PROTOCOL_HORIZONS]
+    whole = all(abs(k - round(k)) <= 1e-6 * max(1.0, k) for k in ks)
+    if whole and round(ks[-1]) <= future:
+        return PROTOCOL_HORIZONS, ""
+    steps = sorted({max(1, round(i * future / 3)) for i in (1, 2, 3)})
+    hs = tuple(round(k * dt, 6) for k in steps)
+    if whole:
+        need = f"need data.future >= {round(ks[-1])} at this stride"
+    else:
+        need = f"are not whole steps of {dt:g} s (data.stride={stride} at {frame_rate_hz:g} Hz)"
+    return hs, (f"the default for these windows ({future} future frames at {frame_rate_hz:g} Hz, stride {stride}, "
+                f"reach {future * dt:g} s); OccWorld's 1 s, 2 s, 3 s {need}; --horizons chooses others")
 
 
 def parse_horizons(text: str) -> tuple[float, ...]:
