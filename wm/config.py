@@ -113,7 +113,8 @@ class DataConfig:
         if self.h5_cache_mib < 0:
             raise ConfigError("h5_cache_mib", f"{self.h5_cache_mib} must be >= 0")
         if not all(h > 0 for h in self.horizons_s):
-            raise ConfigError("horizons_s", f"{list(self.horizons_s)}: horizons are seconds after the last past frame, > 0")
+            raise ConfigError("horizons_s", f"{list(self.horizons_s)}: horizons are seconds after the last past "
+                              "frame, > 0")
         if len(set(self.moving_classes)) != len(self.moving_classes):
             raise ConfigError("moving_classes", f"{list(self.moving_classes)} names a class twice")
         if self.train_split == self.val_split:

@@ -182,7 +182,8 @@ def describe(pl: Plan, horizons: Sequence[float], rate: float, past: int, root) 
     lines = [f"horizons {_secs(horizons)} on {root} ({rate:g} Hz):",
              "  " + " ".join(f"{k}={v}" for k, v in keys.items()),
              f"  one step = {dt:g} s ({pl.stride} frame{'s' if pl.stride > 1 else ''}); {at}; a window spans "
-             f"{pl.span} frames: " + ", ".join(f"{n} {split} window{'s' if n != 1 else ''}" for split, n in pl.windows.items())]
+             f"{pl.span} frames: " + ", ".join(f"{n} {split} window{'s' if n != 1 else ''}"
+                                                for split, n in pl.windows.items())]
     if pl.past < past:
         lines.append(f"  data.past lowered from {past}: at this stride {past} past frames would span "
                      f"{(past + pl.future - 1) * pl.stride + 1} frames, and not every split has a scene that long")

@@ -5,8 +5,8 @@ crop / pad of every frame, in the workers):
 
 - `check_range`: the data set's `range` must span grid x voxel size.
 - `grid_note`: the warning when X or Y is not a multiple of GRID_MULTIPLE, saying which tokenizer
-  refuses the grid (OccWorld's 3 levels; the default 2 levels need multiples of 2) and both fixes; `plan_fit` / `reframe`: --crop / --pad to such a grid, kept around
-  the ego, with the range moved along.
+  refuses the grid (OccWorld's 3 levels; the default 2 levels need multiples of 2) and both fixes;
+  `plan_fit` / `reframe`: --crop / --pad to such a grid, kept around the ego, with the range moved along.
 - `time_unit_outliers`: a scene whose median frame interval is x1000 (or more) off the others' (one
   drive in milliseconds among drives in seconds) is refused, named.
 - `int64_us` / `rate_problem`: timestamps that do not fit int64 microseconds in the unit given, a
@@ -69,15 +69,15 @@ def grid_note(grid, multiple: int = GRID_MULTIPLE) -> Optional[str]:
     z = grid[2]
     fix = f"convert with --crop ({down[0]} x {down[1]} x {z}) or --pad ({up[0]} x {up[1]} x {z})"
     odd = [(a, n) for a, n in bad if n % 2]
-    names = " and ".join(f"{a}={n}" for a, n in (odd or bad))
+    named = odd or bad
+    what = f"grid {' x '.join(map(str, grid))}: {' and '.join(f'{a}={n}' for a, n in named)} " + \
+        ("is not a multiple" if len(named) == 1 else "are not multiples")
     if odd:
-        return (f"grid {' x '.join(map(str, grid))}: {names} {'is not a multiple' if len(odd) == 1 else 'are not multiples'}"
-                f" of 2, which every tokenizer refuses (the default 2-level one halves X and Y once, OccWorld's 3 "
-                f"levels twice); {fix}")
+        return (f"{what} of 2, which every tokenizer refuses (the default 2-level one halves X and Y once, "
+                f"OccWorld's 3 levels twice); {fix}")
     it = "it" if len(bad) == 1 else "them"
-    return (f"grid {' x '.join(map(str, grid))}: {names} {'is not a multiple' if len(bad) == 1 else 'are not multiples'}"
-            f" of {multiple}: the default 2-level tokenizer (the demo's tokenizer.widths) takes {it}, a 3-level one "
-            f"(OccWorld's, configs/occworld*.json) refuses {it} (it halves X and Y twice); for 3 levels {fix}")
+    return (f"{what} of {multiple}: the default 2-level tokenizer (the demo's tokenizer.widths) takes {it}, a 3-level "
+            f"one (OccWorld's, configs/occworld*.json) refuses {it} (it halves X and Y twice); for 3 levels {fix}")
 
 
 def plan_fit(grid, voxel, rng, mode: str, size=None, multiple: int = GRID_MULTIPLE, align: str = "ego") -> dict:

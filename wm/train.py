@@ -358,8 +358,9 @@ def check_stages(run: Run) -> None:
     """Every check that can fail a stage, for each stage still to run, before the first step of the
     first one (a world stage that cannot start must not wait for hours of tokenizer training): both
     splits present with windows at the stage's settings (window length at data.stride), the batch
-    against the training windows, the best_metric, and data.horizons_s against the windows. Window indexes come from scene offsets alone,
-    so this reads no frames. Also says whether training uses the visibility mask."""
+    against the training windows, the best_metric; and data.horizons_s against the windows. Window
+    indexes come from scene offsets alone, so this reads no frames. Also says whether training uses
+    the visibility mask."""
     cfg, d = run.cfg, run.d
     if "world" in cfg.train.stages:  # first: the setting that reaches data.horizons_s, not "shorten the window"
         check_config_reaches(cfg, run.root, run.manifest.info.frame_rate_hz)
