@@ -15,13 +15,25 @@ def test_reference_bands_are_the_two_frames_within_a_factor_of_2():
     assert ref["occupied"] == pytest.approx((4.86 / 2, 6.11 * 2))
     # vehicles: frame 1 car .27 + bus .15 + motorcycle .01; frame 2 car .07 + construction .11 +
     # bicycle .01 + motorcycle .005
-    assert ref["groups"]["vehicles"] == pytest.approx((0.195 / 2, 0.43 * 2))
+    assert ref["groups"]["vehicles"] == pytest.approx((0.0, 0.43 * 2))  # moving objects: from 0
     assert ref["groups"]["ground"] == pytest.approx(((1.32 + 0.41 + 0.16) / 2, (1.29 + 0.73 + 0.09 + 0.18) * 2))
     assert ref["height"][0] == pytest.approx((6.6 / 2, 28.9 * 2))
     assert ref["height"][2] == pytest.approx((3.6 / 2, 18.3 * 2))
     # 8 levels: each is the mean of the two 0.4 m levels it covers
     assert S.reference_bands(8)["height"][0] == pytest.approx(((6.6 + 8.1) / 4, (28.9 + 6.9)))
     assert ref["visible"] == pytest.approx((6.8 / 2, 16.8 * 2))
+
+
+def test_each_public_occ3d_frame_lies_within_the_reference():
+    """Real Occ3D-nuScenes frames must pass: neither public frame has a pedestrian, so a frame (or a
+    sample of frames) without moving objects is inside the range."""
+    for f in S.OCC3D_FRAMES:
+        for visible in ("camera_visible", "lidar_visible"):
+            stats = {"occupied": f["occupied"], "groups": S.group_shares(f["classes"]), "height": list(f["height"]),
+                     "visible": f[visible]}
+            assert [r for r in S.compare(stats) if not r[-1]] == []
+    ref = S.reference_bands(16)
+    assert ref["groups"]["people"] == (0.0, S.PEOPLE_BAND[1]) and ref["groups"]["vehicles"][0] == 0.0
 
 
 def test_frame_stats_by_hand():

@@ -257,8 +257,13 @@ def test_cli_subprocess_default_json_and_occworld_mode(ev):
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stdout + p.stderr
-    out = ev.run / "eval" / "tokenizer+world_val_occworld.json"
-    assert f"wrote {out}" in p.stdout
+    # horizons other than the protocol's name the report: it never takes the protocol report's name
+    out = ev.run / "eval" / "tokenizer+world_val_occworld_h0.5s-1s.json"
+    assert f"wrote {out}" in p.stdout and not (ev.run / "eval" / "tokenizer+world_val_occworld.json").exists()
+    assert E.default_json(ev.run, ["tokenizer", "world"], "val", "occworld", "none", None, (1.0, 2.0, 3.0)) == \
+        ev.run / "eval" / "tokenizer+world_val_occworld.json"
+    assert E.default_json(ev.run, ["tokenizer"], "val", "exclude", "mask", None, (1.0,)).name == \
+        "tokenizer_val_exclude_mask-mask.json"  # no forecast, no horizons in the name
     rep = json.loads(out.read_text())
     assert rep["mode"] == "occworld" and set(rep) >= {"tokenizer", "world", "data", "class_names"}
     # occworld mode: a class absent from the ground truth scores 100, never "undefined"

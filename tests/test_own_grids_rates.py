@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from wm.convert import TIME_UNITS, frames_scenes
 from wm.recording_checks import UNITS, plan_fit, time_unit_outliers
@@ -35,9 +36,10 @@ def error_line(p) -> str:
 
 
 def recordings(root: Path, grid=(10, 6, 3), drives=("d1", "d2", "d3"), n=6, hz=10.0, units=None,
-               yaw_deg=False, masks=True, seed=0) -> dict:
+               yaw_deg=False, masks=True, seed=0, t0=1000.0) -> dict:
     """Drives of `n` frames at `hz`, poses as x,y,z,yaw CSV (d1, d3) and JSON (d2); a gentle left
-    turn (0.3 rad/s). units: {drive: seconds per timestamp unit} to write some drive in ms."""
+    turn (0.3 rad/s). units: {drive: seconds per timestamp unit} to write some drive in ms; t0: the
+    first drive's start in seconds (1.533e9: a Unix time, as real logs write)."""
     rng = np.random.default_rng(seed)
     truth = {}
     for k, name in enumerate(drives):
@@ -45,7 +47,7 @@ def recordings(root: Path, grid=(10, 6, 3), drives=("d1", "d2", "d3"), n=6, hz=1
         d.mkdir(parents=True)
         occ = rng.integers(0, len(NAMES), (n, *grid)).astype(np.uint8)
         vis = rng.integers(0, 2, (n, *grid)).astype(np.uint8)
-        t = 1000.0 + k * 100 + np.arange(n) / hz
+        t = t0 + k * 100 + np.arange(n) / hz
         yaw = 0.5 + 0.3 * np.arange(n) / hz
         for i in range(n):
             np.save(d / f"{i:06d}.npy", occ[i])
@@ -91,8 +93,26 @@ def test_odd_grid_warns_at_conversion_with_both_remedies(tmp_path):
             classes_json(tmp_path / "c.json"), "--val-scenes", "d3")
     assert p.returncode == 0, p.stderr
     warn = [ln for ln in p.stdout.splitlines() if ln.startswith("warning: grid")]
-    assert warn == ["warning: grid 10 x 6 x 3: X=10 and Y=6 not a multiple of 4, which training refuses (the "
-                    "tokenizer halves X and Y twice); convert with --crop (8 x 4 x 3) or --pad (12 x 8 x 3)"], p.stdout
+    assert warn == ["warning: grid 10 x 6 x 3: X=10 and Y=6 are not multiples of 4: the default 2-level tokenizer "
+                    "(the demo's tokenizer.widths) takes them, a 3-level one (OccWorld's, configs/occworld*.json) "
+                    "refuses them (it halves X and Y twice); for 3 levels convert with --crop (8 x 4 x 3) or "
+                    "--pad (12 x 8 x 3)"], p.stdout
+
+
+def test_grid_note_states_the_constraint_of_each_tokenizer():
+    from wm.config import Config, load
+    from wm.recording_checks import grid_note
+
+    # what the note says of the tokenizers is what they are
+    assert Config().tokenizer.downsample == 2 and load(ROOT / "configs/occworld.json").tokenizer.downsample == 4
+    assert grid_note((96, 64, 10)) is None
+    assert grid_note((98, 64, 10)) == (
+        "grid 98 x 64 x 10: X=98 is not a multiple of 4: the default 2-level tokenizer (the demo's tokenizer.widths) "
+        "takes it, a 3-level one (OccWorld's, configs/occworld*.json) refuses it (it halves X and Y twice); for 3 "
+        "levels convert with --crop (96 x 64 x 10) or --pad (100 x 64 x 10)")
+    assert grid_note((97, 64, 10)) == (
+        "grid 97 x 64 x 10: X=97 is not a multiple of 2, which every tokenizer refuses (the default 2-level one "
+        "halves X and Y once, OccWorld's 3 levels twice); convert with --crop (96 x 64 x 10) or --pad (100 x 64 x 10)")
 
 
 def test_crop_keeps_the_ego_centred_and_moves_the_range(tmp_path):
@@ -162,6 +182,48 @@ def test_a_drive_in_milliseconds_is_an_error_naming_it(tmp_path):
             "--val-scenes", "d3", "--skip-bad", "--pad")
     assert p.returncode == 0, p.stderr
     assert sorted(read_back(tmp_path / "out")) == ["d1", "d3"] and load_manifest(tmp_path / "out").info.frame_rate_hz == 10
+
+
+@pytest.mark.parametrize("drives_in_us", [("d1", "d2", "d3"), ("d2",)])
+def test_microsecond_unix_timestamps_read_as_seconds_are_one_line_naming_the_unit(tmp_path, drives_in_us):
+    """Unix times in microseconds read as seconds do not fit int64 microseconds: one line naming the
+    drive's poses file and --time-unit us, every drive or one drive alike (was an OverflowError)."""
+    recordings(tmp_path / "rec", t0=1.533e9, units={d: 1e-6 for d in drives_in_us})
+    line = error_line(cli("--root", tmp_path / "rec", "--out", tmp_path / "out", "--classes-json",
+                          classes_json(tmp_path / "c.json"), "--pad"))
+    first = drives_in_us[0]  # the first drive that fails is named (d1: poses.csv, d2: poses.json)
+    assert f"{first}/poses.{'json' if first == 'd2' else 'csv'}" in line and f"scene {first!r}" in line, line
+    assert "look like microseconds" in line and "--time-unit us" in line, line
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_milliseconds_in_every_drive_are_refused_naming_the_unit(tmp_path):
+    """Every drive in milliseconds read as seconds: 100 s frame intervals (0.01 Hz) are no sensor log."""
+    recordings(tmp_path / "rec", t0=1.533e9, units={d: 1e-3 for d in ("d1", "d2", "d3")})
+    line = error_line(cli("--root", tmp_path / "rec", "--out", tmp_path / "out", "--classes-json",
+                          classes_json(tmp_path / "c.json"), "--pad"))
+    assert "d1" in line and "poses.csv" in line and "median frame interval 100 s (0.01 Hz)" in line, line
+    assert "0.5-100 Hz" in line and "look like milliseconds" in line and "--time-unit ms" in line, line
+    # with frame_rate_hz 10 in classes.json the stored timestamps would be 1000x too large: refused too
+    line = error_line(cli("--root", tmp_path / "rec", "--out", tmp_path / "out", "--classes-json",
+                          classes_json(tmp_path / "c.json", frame_rate_hz=10), "--pad"))
+    assert "c.json: frame_rate_hz 10" in line and "0.01 Hz" in line and "--time-unit ms" in line, line
+    # read as milliseconds, they convert at 10 Hz, with or without the given rate
+    for extra in ({}, {"frame_rate_hz": 10}):
+        p = cli("--root", tmp_path / "rec", "--out", tmp_path / f"ok{len(extra)}", "--classes-json",
+                classes_json(tmp_path / "c.json", **extra), "--pad", "--time-unit", "ms")
+        assert p.returncode == 0, p.stderr
+        assert load_manifest(tmp_path / f"ok{len(extra)}").info.frame_rate_hz == 10
+
+
+def test_a_given_frame_rate_that_the_timestamps_contradict_is_one_line(tmp_path):
+    recordings(tmp_path / "rec")  # 10 Hz in seconds
+    line = error_line(cli("--root", tmp_path / "rec", "--out", tmp_path / "out", "--classes-json",
+                          classes_json(tmp_path / "c.json", frame_rate_hz=2), "--pad"))
+    assert "c.json: frame_rate_hz 2" in line and "0.1 s (10 Hz)" in line, line
+    line = error_line(cli("--root", tmp_path / "rec", "--out", tmp_path / "out", "--classes-json",
+                          classes_json(tmp_path / "c.json"), "--pad", "--frame-rate", "12"))
+    assert line.startswith("error: --frame-rate 12") and "(10 Hz)" in line, line
 
 
 def test_time_unit_reference_is_the_plausible_rate_between_two_drives(tmp_path):
@@ -236,3 +298,28 @@ def test_frame_rate_is_the_nominal_rate_despite_clock_jitter():
     assert median_rate([spec(500_000)]) == 2.0 and median_rate([spec(80_000)]) == 12.5
     assert median_rate([spec(1_999_000)]) == 0.5
     assert median_rate([spec(97_000)]) == 10.309 and median_rate([spec(80_300)]) == 12.453  # rates of their own
+
+
+def test_moving_classes_from_classes_json_reach_the_manifest(tmp_path):
+    recordings(tmp_path / "rec", masks=False)
+    cj = classes_json(tmp_path / "c.json", moving_classes=["aircraft", "tug", "person"])
+    p = cli("--root", tmp_path / "rec", "--out", tmp_path / "out", "--classes-json", cj, "--pad")
+    assert p.returncode == 0, p.stderr
+    assert "moving classes: aircraft, tug, person" in p.stdout and "note: no moving classes" not in p.stdout
+    assert load_manifest(tmp_path / "out").info.moving_classes == ("aircraft", "tug", "person")
+    # --classes takes them as --moving-classes
+    p = cli("--root", tmp_path / "rec", "--out", tmp_path / "o2", "--classes", ",".join(NAMES), "--free", "free",
+            "--voxel-size", 1, "--pad", "--moving-classes", "tug,person")
+    assert p.returncode == 0, p.stderr
+    assert load_manifest(tmp_path / "o2").info.moving_classes == ("tug", "person")
+    # none declared for names that are not nuScenes': said at conversion, what to add
+    p = cli("--root", tmp_path / "rec", "--out", tmp_path / "o3", "--classes-json", classes_json(tmp_path / "n.json"),
+            "--pad")
+    assert p.returncode == 0, p.stderr
+    note = [ln for ln in p.stdout.splitlines() if ln.startswith("note: no moving classes")]
+    assert len(note) == 1 and '"moving_classes"' in note[0] and "n.json" in note[0], p.stdout
+    assert "moving_classes" not in json.loads((tmp_path / "o3" / "manifest.json").read_text())
+    # a name that is not a class: one line
+    bad = classes_json(tmp_path / "b.json", moving_classes=["plane"])
+    line = error_line(cli("--root", tmp_path / "rec", "--out", tmp_path / "o4", "--classes-json", bad, "--pad"))
+    assert "b.json: moving_classes: 'plane' is not one of the classes" in line, line

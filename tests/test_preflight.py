@@ -44,7 +44,8 @@ def test_a_world_stage_that_cannot_run_fails_before_the_tokenizer_trains(tiny, o
 def test_inspect_data_names_its_own_flags(tiny):
     p = subprocess.run([sys.executable, "tools/inspect_data.py", str(tiny.data), "--png", str(tiny.base / "pics"),
                         "--past", "7", "--future", "7"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2, p.stderr
-    line = p.stderr.strip()
-    assert "\n" not in line and "--past 7" in line and "--future 7" in line and "--stride 1" in line, line
+    # 12-frame scenes hold no 14-frame window: it draws what fits, and its note names its own flags
+    assert p.returncode == 0, p.stderr
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("note:"))
+    assert "7 past + 7 future frames at stride 1" in line and "(--past, --future, --stride choose)" in line, line
     assert "data." not in line, line

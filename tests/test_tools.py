@@ -62,8 +62,28 @@ def test_inspect_summary_verify_and_pictures(data, tmp_path):
     from wm.data import OccWindows
     from wm.viz import bev
 
+    from wm.datastats import NUSCENES_MOVING
+    from wm.shards import OCC3D_CLASSES
+
     ds = OccWindows(data, "train", DataConfig(grid=(32, 32, 4), past=3, future=2))
-    assert np.array_equal(frame[:256], bev(ds[2]["occ"][2].numpy(), 18, 17).repeat(8, 0).repeat(8, 1))
+    moving = [OCC3D_CLASSES.index(n) for n in NUSCENES_MOVING]  # drawn over what is above them, as in training
+    assert np.array_equal(frame[:256], bev(ds[2]["occ"][2].numpy(), 18, 17, prefer=moving).repeat(8, 0).repeat(8, 1))
+
+
+def test_pictures_of_scenes_shorter_than_the_window_draw_what_fits(data, tmp_path):
+    # the default 5 past + 6 future frames at stride 2 span 21 frames; the val scene has 14, which hold
+    # 7 frames at stride 2: drawn as 3 past + 4 future, said in a note
+    p = run("tools/inspect_data.py", str(data), "--png", str(tmp_path), "--split", "val", "--stride", "2", check=False)
+    assert p.returncode == 0, p.stderr
+    assert ("note: split 'val' has scenes of at most 14 frames, fewer than the 21 that 5 past + 6 future frames at "
+            "stride 2 span; drawing 3 past + 4 future (--past, --future, --stride choose)") in p.stdout, p.stdout
+    assert "driveable_surface" in p.stdout  # the statistics too
+    window = read_png(tmp_path / "window.png")
+    assert 7 * 256 < window.shape[1] < 8 * 256 and read_png(tmp_path / "frame.png").shape[1] == 256
+    # a stride that leaves not even two frames is the user's to change: one line, before the statistics
+    p = run("tools/inspect_data.py", str(data), "--png", str(tmp_path / "x"), "--split", "val", "--stride", "14",
+            check=False)
+    assert p.returncode == 2 and "--stride 14" in p.stderr and "driveable_surface" not in p.stdout, p.stdout
 
 
 def test_verify_names_a_corrupt_shard_and_exits_1(data, tmp_path):
@@ -118,3 +138,21 @@ def test_bev_can_show_moving_objects_under_a_canopy():
     # image row = 3 - y, column = x
     assert tuple(plain[1, 1]) == tuple(pal[16]) and tuple(shown[1, 1]) == tuple(pal[4])
     assert np.array_equal(np.delete(plain.reshape(16, 3), 5, 0), np.delete(shown.reshape(16, 3), 5, 0))
+
+
+def test_make_synthetic_help_and_default_are_the_demos_scenes(tmp_path):
+    from wm.config import Config, load
+    from wm.synthetic import write_synthetic
+
+    style = Config().synthetic.style  # what `python train.py` generates
+    assert style == load(ROOT / "configs" / "demo.json").synthetic.style == "occ3d"
+    p = run("tools/make_synthetic.py", "--help")
+    text = " ".join(p.stdout.split())
+    assert "(default occ3d: the demo's scenes" in text and "blocks: solid columns (the demo's" not in text, text
+    # the default writes the occ3d scenes: the same data set, byte for byte, as asking for them
+    small = ("--grid", "8", "8", "2", "--train-scenes", "1", "--val-scenes", "1", "--frames", "3")
+    run("tools/make_synthetic.py", "--out", str(tmp_path / "a"), *small)
+    m = write_synthetic(tmp_path / "b", 1, 1, 3, (8, 8, 2), style="occ3d")
+    from wm.shards import load_manifest
+
+    assert load_manifest(tmp_path / "a").fingerprint == m.fingerprint

@@ -22,7 +22,7 @@ import wm.checkpoint as ck
 import wm.train as T
 from wm.checkpoint import latest_checkpoint, load
 from wm.config import Config
-from wm.datastats import DYNAMIC_CLASSES
+from wm.datastats import NUSCENES_MOVING
 from wm.errors import DataError, WMError, run_cli
 from wm.shards import OCC3D_CLASSES
 
@@ -597,20 +597,20 @@ def test_summary_json_has_the_final_figures(logged_run):
     assert set(tok["recon_class_iou"]) == set(OCC3D_CLASSES) - {"free"}
     tdone = json.loads((logged_run / "tokenizer" / "done.json").read_text())
     assert tok["recon_class_iou"]["driveable_surface"] == tdone["metrics"]["val/class_iou/driveable_surface"]
-    assert set(w["class_iou"]) == set(DYNAMIC_CLASSES) and all(len(v) == 2 for v in w["class_iou"].values())
+    assert set(w["class_iou"]) == set(NUSCENES_MOVING) and all(len(v) == 2 for v in w["class_iou"].values())
     assert w["class_iou"]["car"] == [done["metrics"]["val/class_iou/car_t1"], done["metrics"]["val/class_iou/car_t2"]]
     assert w["copy_last_class_iou"]["car"][1] == done["metrics"]["val/copy_last_class_iou/car_t2"]
 
 
-def test_final_table_lists_the_dynamic_classes():
+def test_final_table_lists_the_moving_classes():
     cfg = Config()
     cfg.data.future = 2
     r = {"val/iou_t1": 50.0, "val/miou_t1": 20.0, "val/iou_t2": 40.0, "val/miou_t2": 10.0,
          "val/class_iou/car_t1": 31.25, "val/class_iou/car_t2": None, "val/class_iou/car": 31.25,
          "val/copy_last_class_iou/car_t1": 12.5, "val/copy_last_class_iou/car_t2": 3.0,
          "val/copy_last_class_iou/car": 7.75}
-    lines = T.final_table(cfg, {"world": r}).splitlines()
-    assert lines[-2].startswith("dynamic classes")
+    lines = T.final_table(cfg, {"world": r}, moving=NUSCENES_MOVING).splitlines()
+    assert lines[-3].startswith("moving classes") and lines[-2].split() == ["step", "t+1", "t+2", "avg"]
     assert lines[-1].split() == ["car", "31.2", "/", "12.5", "-", "/", "3.0", "31.2", "/", "7.8"]
     assert not any(ln.startswith("pedestrian") for ln in lines)  # no figures: no row
 

@@ -85,3 +85,32 @@ def test_training_logs_a_legend_picture_in_the_data_sets_colours(tiny, restore_s
     assert np.array_equal(rgb[-legend(OCC3D_CLASSES, pal, rgb.shape[1], 17).shape[0]:],
                           legend(OCC3D_CLASSES, pal, rgb.shape[1], 17))
     assert (rgb.reshape(-1, 3)[:, None] == GAP_GREY).all(-1).any()
+
+
+def _dark(img) -> int:
+    return int((img == 0).all(-1).sum())
+
+
+def _glyph_pixels(texts, s: int) -> int:
+    return sum(int(_FONT.get(ch.upper(), _FONT["?"]).sum()) * s * s for t in texts for ch in t)
+
+
+def test_a_long_class_name_is_not_clipped_in_a_256_px_legend():
+    names = ["free", "construction_vehicle", "tug"]
+    lg = legend(names, class_palette(names, 0), 256, 0, scale=2)
+    assert lg.shape[1] == 256
+
+    def whole(s):  # every glyph pixel of every name, and each swatch's dark border (no colour here is black)
+        return _glyph_pixels(names, s) + len(names) * (4 * 7 * s - 4)
+
+    assert _dark(lg) in (whole(1), whole(2)), (_dark(lg), whole(1), whole(2))
+
+
+def test_forecast_picture_labels_every_frame_with_its_step():
+    names = ["free", "road", "tug"]
+    frames = [np.full((16, 16, 2), 1, np.uint8)] * 2  # no dark voxel colour: only text and swatches are dark
+    plain = figure([frames, frames], names, 0, titles=["ground truth", "prediction"])
+    labels = ["t+1 (0.5s)", "t+2 (1s)"]
+    img = figure([frames, frames], names, 0, titles=["ground truth", "prediction"], labels=labels)
+    assert img.shape[0] > plain.shape[0] and img.shape[1] == plain.shape[1]
+    assert _dark(img) - _dark(plain) == _glyph_pixels(labels, 2)

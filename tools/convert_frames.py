@@ -33,21 +33,26 @@ A matrix must be a rigid transform: rotation orthonormal (|R^T R - I| <= 1e-3), 
 Classes: --classes a,b,c --free c (name or id), or --classes-json FILE:
     {"class_names": ["road", "car", "building", "free"], "free_class": "free",
      "voxel_size": [0.4, 0.4, 0.4], "range": [-40, -40, -1, 40, 40, 5.4], "frame_rate_hz": 10,
-     "colors": {"car": [0, 150, 245], "building": "#e6e6fa"}}
-(voxel_size, range, frame_rate_hz, colors optional; --voxel-size/--range/--frame-rate override.
+     "colors": {"car": [0, 150, 245], "building": "#e6e6fa"}, "moving_classes": ["car"]}
+(moving_classes: the classes that move, for the forecast's per-step tables and the pictures; with
+--classes give them as --moving-classes. voxel_size, range, frame_rate_hz, colors, moving_classes optional; --voxel-size/--range/--frame-rate override.
 Defaults: 0.4 m voxels, a range centred on the ego in x/y from z = -1 m, the frame rate from the
 median timestamp step (snapped to a multiple of 0.5 Hz within 0.2 %: clock jitter). range must span
 grid x voxel_size. colors: the pictures' colour of some or
 all classes (a {name: colour} object or a list in class order; [r, g, b] or "#rrggbb"); the others
 get Occ3D's colour where the name is an Occ3D class name, else a distinct one.)
 
-Grid: training needs X and Y divisible by 4 (a warning says so at conversion). --crop cuts X and Y
+Grid: a 3-level tokenizer (OccWorld's) needs X and Y divisible by 4, the default 2-level one by 2 (a
+warning says so at conversion). --crop cuts X and Y
 down to the nearest multiple of 4 (or to --crop X Y), --pad grows them with free, not-visible
 voxels (or to --pad X Y); both keep the ego near the middle (--align ego, the default; centre, low,
 high) and move the manifest's range with the cut.
 
 Checks: a scene whose median frame interval differs from the others' by x1000 or more (one drive
-in milliseconds among drives in seconds) is refused, naming it; a yaw that looks like degrees (some
+in milliseconds among drives in seconds) is refused, naming it; so are timestamps that do not fit
+int64 microseconds in the unit read (Unix microseconds read as seconds), a median frame rate
+outside 0.5-100 Hz, and one more than 5 % off a given frame_rate_hz / --frame-rate: each in one line
+naming the unit the timestamps look like (--time-unit); a yaw that looks like degrees (some
 |yaw| beyond 2 pi, or turns faster than 2 rad/s when read as radians) is a warning: --yaw-units deg.
 
 Split: --val-scenes a,b names the validation scenes; otherwise --val-fraction (default 0.1) of the
@@ -67,19 +72,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from wm.convert import (TIME_UNITS, VISIBLE_BITS, YAW_UNITS, add_writer_args, convert_and_report,  # noqa: E402
                         frames_scenes, median_rate, peek_grid)
-from wm.recording_checks import (GRID_MULTIPLE, check_range, grid_note, plan_fit, time_unit_outliers,  # noqa: E402
-                                 yaw_unit_note)
+from wm.recording_checks import (GRID_MULTIPLE, check_range, grid_note, plan_fit, rate_problem,  # noqa: E402
+                                 time_unit_outliers, yaw_unit_note)
+from wm.datastats import moving_classes  # noqa: E402
 from wm.errors import DataError, run_cli  # noqa: E402
-from wm.shards import DatasetInfo  # noqa: E402
+from wm.shards import DatasetInfo, check_moving  # noqa: E402
 from wm.viz import parse_colors  # noqa: E402
 
-CLASS_KEYS = ("class_names", "free_class", "voxel_size", "range", "frame_rate_hz", "colors")
+CLASS_KEYS = ("class_names", "free_class", "voxel_size", "range", "frame_rate_hz", "colors", "moving_classes")
 
 
 def classes_from_args(a) -> dict:
     """{"class_names", "free_class" (id), maybe "voxel_size", "range", "frame_rate_hz"}."""
     if bool(a.classes) == bool(a.classes_json):
         raise DataError("give the classes either as --classes a,b,c --free NAME or as --classes-json FILE")
+    if a.classes_json and a.moving_classes:
+        raise DataError(f"--moving-classes goes with --classes; with --classes-json write \"moving_classes\" "
+                        f"into {a.classes_json}")
     if a.classes_json:
         p = Path(a.classes_json)
         try:
@@ -97,6 +106,7 @@ def classes_from_args(a) -> dict:
             if k not in d:
                 raise DataError(f"{p}: key '{k}' is missing")
         names, free, where = d["class_names"], d["free_class"], str(p)
+        d.setdefault("moving_classes", [])
         if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
             raise DataError(f"{p}: class_names must be a list of names")
     else:
@@ -123,6 +133,12 @@ def classes_from_args(a) -> dict:
             out[k] = d[k]
     if "colors" in d:
         out["colors"] = parse_colors(d["colors"], names, f"{where}: colors")
+    moving = d["moving_classes"] if a.classes_json else (a.moving_classes.split(",") if a.moving_classes else [])
+    key = f"{where}: moving_classes" if a.classes_json else "--moving-classes"
+    if not (isinstance(moving, list) and all(isinstance(n, str) for n in moving)):
+        raise DataError(f"{key}: expected a list of class names")
+    check_moving([n.strip() for n in moving], names, fid, key)
+    out["moving_classes"] = [n.strip() for n in moving]
     return out
 
 
@@ -132,7 +148,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="data set folder to write (or to resume)")
     ap.add_argument("--classes", help="class names in id order, comma-separated")
     ap.add_argument("--free", help="the free (empty) class: a name from --classes or an id")
-    ap.add_argument("--classes-json", help="JSON with class_names, free_class [, voxel_size, range, frame_rate_hz]")
+    ap.add_argument("--classes-json", help="JSON with class_names, free_class [, voxel_size, range, frame_rate_hz, "
+                    "colors, moving_classes]")
+    ap.add_argument("--moving-classes", help="with --classes: the classes that move, comma-separated (tables list "
+                    "their forecast IoU per step; pictures draw them on top)")
     ap.add_argument("--key", help="array name in .npz frames (default: 'semantics' if present, else the first)")
     ap.add_argument("--mask-key", help="array name of the visibility mask inside each .npz frame")
     ap.add_argument("--time-unit", choices=list(TIME_UNITS), default="s", help="unit of the poses' timestamps")
@@ -160,6 +179,13 @@ def main(argv=None) -> int:
     for b in time_unit_outliers(specs, a.time_unit):  # refused (or skipped with --skip-bad) like any bad scene
         specs.pop(b["scene"])
         bad.append(b)
+    given, given_where = (a.frame_rate, "--frame-rate") if a.frame_rate else \
+        (cls.get("frame_rate_hz"), f"{a.classes_json}: frame_rate_hz")
+    if given is not None and not (isinstance(given, (int, float)) and not isinstance(given, bool) and given > 0):
+        raise DataError(f"{given_where} {given!r} must be a positive number of frames per second")
+    problem = rate_problem(specs, a.time_unit, given, given_where)
+    if problem:  # timestamps in another unit than read, or a rate they contradict: every horizon would be off
+        raise DataError(problem)
     if a.grid:
         grid = tuple(a.grid)
     elif specs:
@@ -199,7 +225,8 @@ def main(argv=None) -> int:
     try:
         info = DatasetInfo(grid=grid, num_classes=len(cls["class_names"]), free_class=cls["free_class"],
                            class_names=cls["class_names"], voxel_size=voxel, range=rng, frame_rate_hz=float(rate),
-                           has_mask=has_mask, class_colors=cls.get("colors") or {})
+                           has_mask=has_mask, class_colors=cls.get("colors") or {},
+                           moving_classes=cls["moving_classes"])
     except (TypeError, ValueError) as e:
         raise DataError(f"classes / voxel size / range: {e}") from None
     options = {"source": str(Path(a.root).resolve()), "format": a.format,
@@ -211,9 +238,17 @@ def main(argv=None) -> int:
                "time_unit": a.time_unit, "splits": {k: v for k, v in order.items()}}
     # recorded only when used, so data sets converted before these options existed still resume
     for k, v in (("yaw_units", a.yaw_units if a.yaw_units != "rad" else None), ("fit", fit),
-                 ("class_colors", dict(info.class_colors) or None)):
+                 ("class_colors", dict(info.class_colors) or None),
+                 ("moving_classes", list(info.moving_classes) or None)):
         if v is not None:
             options[k] = v
+    moving = moving_classes(info)
+    if moving:
+        print(f"moving classes: {', '.join(moving)}{'' if info.moving_classes else ' (nuScenes names)'}")
+    else:
+        add = f'add "moving_classes": [...] to {a.classes_json}' if a.classes_json else "add --moving-classes a,b"
+        print(f"note: no moving classes declared; the forecast's per-step table and TensorBoard IoU of moving classes, "
+              f"and moving objects drawn over the pictures, need them: {add} (or set data.moving_classes to train)")
     bits = VISIBLE_BITS if has_mask else {}
     record = {"tool": "convert_frames", "options": options, "mask_bits": bits,
               "mask_convention": "uint8: bit 0 (1) = visible" if has_mask else "no masks"}

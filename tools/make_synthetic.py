@@ -24,12 +24,14 @@ def main(argv=None) -> int:
     ap.add_argument("--val-scenes", type=int, default=6)
     ap.add_argument("--frames", type=int, default=40, help="frames per scene (2 Hz)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--format", choices=["hdf5", "memmap", "mixed"], default="hdf5")
+    ap.add_argument("--format", choices=["hdf5", "memmap", "mixed"], default="hdf5",
+                    help="shard kind (default hdf5; the demo generates memmap, synthetic.format)")
     ap.add_argument("--compression", choices=list(COMPRESSIONS), default=DEFAULT_COMPRESSION)
     ap.add_argument("--scenes-per-shard", type=int, default=8)
     ap.add_argument("--no-mask", action="store_true", help="do not write visibility masks")
-    ap.add_argument("--style", choices=list(STYLES), default="blocks",
-                    help="blocks: solid columns (the demo's scenes); occ3d: observed surfaces with Occ3D's statistics")
+    ap.add_argument("--style", choices=list(STYLES), default="occ3d",
+                    help="occ3d: observed surfaces with Occ3D's statistics (default occ3d: the demo's scenes, "
+                         "synthetic.style); blocks: solid columns, the first generator (configs/demo_blocks.json)")
     a = ap.parse_args(argv)
     t = time.perf_counter()
     m = write_synthetic(a.out, a.train_scenes, a.val_scenes, a.frames, tuple(a.grid), a.seed,

@@ -56,12 +56,19 @@ class DataConfig:
     grid: tuple[int, ...] = (64, 64, 8)  # voxels [X, Y, Z] of every frame; X, Y divisible by tokenizer.downsample
     num_classes: int = 18  # class ids 0..num_classes-1, the free class included
     free_class: int = 17  # id of empty space (not in mIoU)
+    # The classes whose forecast IoU is reported per step, and drawn over the pictures; empty: the data
+    # set's (manifest moving_classes, else its nuScenes-named moving classes)
+    moving_classes: tuple[str, ...] = ()  # class names that move (empty: the data set's own list)
     # Windows: `past` frames in, `future` frames to forecast, every `stride`-th frame of a scene;
     # a window starts at every `window_step`-th frame.
     past: int = 5  # frames the model sees
     future: int = 6  # frames it forecasts (evaluation horizons must lie within future x stride / frame rate)
     stride: int = 1  # take every stride-th frame: one model step = stride / frame_rate_hz seconds
     window_step: int = 1  # a window starts at every window_step-th frame of a scene
+    # Seconds ahead this run forecasts for: training refuses, before the first step, windows that do
+    # not reach them (naming a setting that does); --eval-only scores them unless --horizons says other.
+    # `train.py --horizons 1,2` (without --eval-only) prints such a setting for the data set.
+    horizons_s: tuple[float, ...] = ()  # forecast horizons in seconds the windows must reach (empty: no check)
     use_mask: bool = False  # return the visibility mask (the manifest must have one)
     # Which bits of the uint8 mask mean "visible": 0 = any nonzero value. tools/convert_occ3d.py
     # stores Occ3D's two masks as bits (camera = 1, lidar = 2; see the manifest's mask_bits), so
@@ -105,6 +112,11 @@ class DataConfig:
                 raise ConfigError(k, f"{getattr(self, k)} must be >= 0")
         if self.h5_cache_mib < 0:
             raise ConfigError("h5_cache_mib", f"{self.h5_cache_mib} must be >= 0")
+        if not all(h > 0 for h in self.horizons_s):
+            raise ConfigError("horizons_s", f"{list(self.horizons_s)}: horizons are seconds after the last past "
+                              "frame, > 0")
+        if len(set(self.moving_classes)) != len(self.moving_classes):
+            raise ConfigError("moving_classes", f"{list(self.moving_classes)} names a class twice")
         if self.train_split == self.val_split:
             raise ConfigError("val_split", f"{self.val_split!r} is also the train split; "
                               "validating on training windows hides overfitting")

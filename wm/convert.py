@@ -51,7 +51,7 @@ import numpy as np
 
 from wm.atomic import write_bytes
 from wm.errors import DataError, first_line
-from wm.recording_checks import reframe, yaw_stats
+from wm.recording_checks import TIME_UNITS, int64_us, reframe, yaw_stats
 from wm.shards import (COMPRESSIONS, DEFAULT_COMPRESSION, MANIFEST, OCC3D_CLASSES, SUFFIX, DatasetInfo, Manifest,
                        ShardWriter, shard_sha256, verify)
 
@@ -75,7 +75,6 @@ OCC3D_HZ = 2.0
 CHAIN_END = (None, "", "EOF")
 
 POSE_TOL = 1e-3  # |R^T R - I| and |det R - 1| allowed before a pose is "not a rigid transform"
-TIME_UNITS = {"s": 1e6, "ms": 1e3, "us": 1.0, "ns": 1e-3}
 YAW_UNITS = {"rad": 1.0, "deg": math.pi / 180}
 
 
@@ -644,7 +643,7 @@ def frames_scene(folder: Path, split: str, unit: str, key: Optional[str], mask_k
     scale = TIME_UNITS[unit]
     pairs.sort(key=lambda p: p[1])
     ids = [p[0] for p in pairs]
-    ts = np.array([round(p[1] * scale) for p in pairs], np.int64)
+    ts = int64_us(np.array([p[1] for p in pairs], np.float64), unit, f"{pf}: scene {name!r}")
     _check_times(name, ts, ids, str(pf))
     opts = {"key": key, "mask_key": mask_key, "poses": str(pf)}
     if yaw_unit == "rad" and len(yaws) == len(records) > 1:  # x,y,z,yaw records: how their yaw looks, in time order

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from wm.config import DataConfig
 from wm.errors import DataError
-from wm.shards import Manifest, Shard, open_split
+from wm.shards import Manifest, Shard, check_moving, open_split
 
 
 def check_against_config(m: Manifest, cfg: DataConfig) -> None:
@@ -41,6 +41,7 @@ def check_against_config(m: Manifest, cfg: DataConfig) -> None:
                         f"{cfg.free_class}; set data.free_class to match the data")
     if cfg.use_mask and not m.info.has_mask:
         raise DataError(f"{src}: the data set has no visibility masks but data.use_mask is true")
+    check_moving(cfg.moving_classes, m.info.class_names, m.info.free_class, f"data.moving_classes (data set {src})")
 
 
 def window_index(shards: list[Shard], span: int, step: int = 1) -> np.ndarray:

@@ -3,7 +3,8 @@ height, visible share; beside the same figures from two public Occ3D-nuScenes fr
 
 `frame_stats(frames, free, masks)` computes them from uint8 frames (N, X, Y, Z); `reference_bands`
 gives, for any height Z, the range "within a factor of 2 of the two Occ3D frames" (lowest frame / 2
-to highest frame x 2) per class group and per height band; `compare` puts the two side by side.
+to highest frame x 2) per class group and per height band, from 0 for the moving-object groups (a
+real frame may hold none); `compare` puts the two side by side.
 tools/inspect_data.py prints them for any data set, and the synthetic generator's tests hold it to
 the bands, so anyone can see how far their own data is from Occ3D's.
 
@@ -28,10 +29,24 @@ GROUPS = {
     "people": ("pedestrian",),
 }
 
-# the classes that move, in the order the final table lists them
-DYNAMIC_CLASSES = ("car", "pedestrian", "truck", "bus", "construction_vehicle", "trailer", "bicycle", "motorcycle")
+# nuScenes' moving classes (Occ3D-nuScenes names), in the order tables list them: the moving classes of a
+# data set that declares none (its manifest's moving_classes)
+NUSCENES_MOVING = ("car", "pedestrian", "truck", "bus", "construction_vehicle", "trailer", "bicycle", "motorcycle")
 
-# Two public Occ3D-nuScenes frames (200 x 200 x 16, free = 17), as measured in issue 14.
+
+def moving_classes(info, override: Sequence[str] = ()) -> tuple[str, ...]:
+    """The classes that move, in table order: `override` (data.moving_classes) when given, else the
+    data set's own (manifest moving_classes, from classes.json at conversion), else its classes named
+    as nuScenes' moving ones (none for a class set of other names)."""
+    if override:
+        return tuple(override)
+    if info.moving_classes:
+        return tuple(info.moving_classes)
+    return tuple(n for n in NUSCENES_MOVING if n in info.class_names)
+
+# Source of every reference range: two public Occ3D-nuScenes frames (200 x 200 x 16, free = 17) whose
+# class shares, occupancy per height level and visible shares are below. Each range is "within a
+# factor of 2 of the two frames" (lowest / FACTOR .. highest x FACTOR), except the moving-object groups.
 OCC3D_FRAMES = (
     {"occupied": 6.11, "camera_visible": 6.8, "lidar_visible": 8.8,
      "classes": {"vegetation": 2.92, "driveable_surface": 1.32, "manmade": 0.83, "sidewalk": 0.41, "car": 0.27,
@@ -43,10 +58,12 @@ OCC3D_FRAMES = (
                  "motorcycle": 0.005},
      "height": (6.6, 8.1, 18.3, 7.4, 3.2, 3.4, 2.7, 2.5, 2.5, 2.7, 2.7, 3.2, 3.4, 3.8, 3.9, 3.4)},
 )
-# Neither frame has a pedestrian voxel, so "people" has no measured range: we hold it to that of the
-# smallest dynamic classes the frames do show (motorcycle, bicycle: 0.005-0.01 %), widened to the
-# cars' 0.07 % upper end (a busy pavement), a stated choice rather than a measurement.
-PEOPLE_BAND = (0.005, 0.14)
+# Moving objects may be absent from any real frame (neither public frame has a pedestrian voxel), so
+# the vehicles and people ranges start at 0. The vehicles' upper end is the frames' x FACTOR; people
+# have no measured share, so theirs is a stated choice: the cars' 0.07 % of the second frame x FACTOR
+# (a busy pavement), not a measurement.
+MOVING_GROUPS = ("vehicles", "people")
+PEOPLE_BAND = (0.0, 0.14)
 FACTOR = 2.0
 
 
@@ -75,6 +92,8 @@ def reference_bands(Z: int = 16) -> dict:
     groups = [group_shares(f["classes"]) for f in OCC3D_FRAMES]
     out_groups = {g: band([s[g] for s in groups]) for g in GROUPS if g != "people"}
     out_groups["people"] = PEOPLE_BAND
+    for g in MOVING_GROUPS:
+        out_groups[g] = (0.0, out_groups[g][1])
     heights = np.stack([_levels(f["height"], Z) for f in OCC3D_FRAMES])  # (2, Z)
     return {"occupied": band([f["occupied"] for f in OCC3D_FRAMES]),
             "groups": out_groups,

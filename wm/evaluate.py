@@ -52,8 +52,10 @@ from wm.atomic import write_bytes
 from wm.checkpoint import load_checked as load_ckpt, newest_valid, sha256_file
 from wm.config import Config, DataConfig, to_dict
 from wm.data import OccWindows, check_against_config, ignore_stop_signals, resolve_root, start_workers
+from wm.datastats import moving_classes
 from wm.errors import DataError, WMError
 from wm.logs import Progress
+from wm.horizons import PROTOCOL_HORIZONS, default_horizons, horizon_label, horizon_steps, parse_horizons
 from wm.metrics import MODES, OCCWORLD_STEPS, ConfusionMatrix, copy_last
 from wm.tokenizer import Tokenizer
 from wm.world import WorldModel
@@ -65,7 +67,6 @@ __all__ = ["MASK_FIELDS", "PROTOCOL_HORIZONS", "Recon", "Forecast", "reconstruct
 # "none" scores every voxel. "camera" / "lidar" are offered where the manifest's shards record
 # mask_bits (tools/convert_occ3d.py: camera = 1, lidar = 2).
 MASK_FIELDS = {"mask": 0, "camera": None, "lidar": None}
-PROTOCOL_HORIZONS = (1.0, 2.0, 3.0)  # seconds: OccWorld reports the 1 s, 2 s and 3 s future frames
 STAGE_WORDS = {"tokenizer": "tokenizer", "world": "world-model"}
 
 # config keys that change training but not the function a checkpoint computes: they may differ
@@ -195,51 +196,6 @@ def forecast(tokenizer: Tokenizer, world: WorldModel, batches: Iterable[dict], d
 # horizons, summaries, the table
 
 
-def horizon_label(h: float) -> str:
-    return f"{h:g}s"
-
-
-def horizon_steps(horizons: Sequence[float], frame_rate_hz: float, stride: int, future: int,
-                  longest: Optional[int] = None) -> list[int]:
-    """0-based future-step indices of `horizons` (seconds after the last past frame). `longest`: the
-    most future frames the model's config admits (world.max_frames + 1 - data.past), if known.
-
-    Future step k (1-based) lies k * stride / frame_rate_hz seconds ahead. A horizon between two
-    steps, or beyond the `future` steps the windows hold, raises WMError naming what would reach it.
-    At 2 Hz and stride 1, (1, 2, 3) s -> [1, 3, 5] = metrics.OCCWORLD_STEPS."""
-    if not horizons:
-        raise WMError("--horizons: give at least one horizon in seconds, e.g. 1,2,3")
-    if not frame_rate_hz > 0:
-        raise DataError(f"the data set's frame_rate_hz is {frame_rate_hz}; horizons in seconds need a "
-                        "positive frame rate in manifest.json")
-    dt = stride / frame_rate_hz  # seconds per future step
-    steps, short = [], []
-    for h in horizons:
-        k = h / dt
-        if not h > 0 or abs(k - round(k)) > 1e-6 * max(1.0, abs(k)) or round(k) < 1:
-            raise WMError(f"horizon {h:g} s is not a whole number of future steps: the data is "
-                          f"{frame_rate_hz:g} Hz at data.stride={stride}, one step every {dt:g} s; choose "
-                          f"--horizons that are multiples of {dt:g} s or another data.stride")
-        k = int(round(k))
-        if k > future:
-            short.append((h, k))
-        steps.append(k - 1)
-    if short:
-        need = max(k for _, k in short)
-        reach = future * dt
-        fix = f"evaluate with --set data.future={need} (the windows may differ from training)"
-        if longest is not None and need > longest:  # that would be refused by world.max_frames: say so now
-            fix = (f"this model takes data.future <= {longest} (world.max_frames), so those horizons need a model "
-                   f"trained at a larger data.stride (one step = stride / {frame_rate_hz:g} Hz)")
-        raise WMError(f"eval horizon too short: data.future={future} at {frame_rate_hz:g} Hz, stride {stride} "
-                      f"reaches {reach:g} s, but {', '.join(f'{h:g} s' for h, _ in short)} "
-                      f"need{'s' if len(short) == 1 else ''} data.future >= {need}; {fix} or ask for "
-                      f"--horizons up to {reach:g} s")
-    if len(set(steps)) != len(steps):
-        raise WMError(f"--horizons {','.join(horizon_label(h) for h in horizons)} name a future step twice")
-    return steps
-
-
 def _per_class(values: Sequence, names: Sequence[str]) -> dict:
     return {n: values[c] for c, n in enumerate(names)}
 
@@ -285,6 +241,10 @@ def _num(v, width: int = 7) -> str:
     return f"{'-':>{width}}" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:>{width}.2f}"
 
 
+def _pct(v) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.1f}"
+
+
 def format_table(rep: dict) -> str:
     """The report as the table --eval-only prints."""
     lines = [f"evaluation ({rep['split']} split, mask {rep['mask']}, absent classes: {rep['mode']}; IoU and "
@@ -303,14 +263,25 @@ def format_table(rep: dict) -> str:
                      f"{wor['forecast_motion']} ego motion; horizons at future steps {at}")
         if wor.get("horizons_why"):
             lines.append(f"  horizons {', '.join(wor['horizons'])}: {wor['horizons_why']}")
-        head = "".join(f"{h:>9}" for h in wor["horizons"]) + f"{'avg':>9}"
+        cols = [f"{h} (t+{s + 1})" for h, s in zip(wor["horizons"], wor["steps"])] + ["avg"]
+        cw = max(9, max(len(c) for c in cols) + 2)
+        head = "".join(f"{c:>{cw}}" for c in cols)
         lines.append(f"  {'':<16}{head}")
         for metric in ("iou", "miou"):
             for name, key in (("forecast", "forecast"), ("copy-last", "copy_last")):
                 b = wor[key]
-                cells = "".join(f"  {_num(v)}" for v in b[metric]) + f"  {_num(b[metric + '_avg'])}"
+                cells = "".join(_num(v, cw) for v in b[metric] + [b[metric + "_avg"]])
                 label = ("IoU" if metric == "iou" else "mIoU") if name == "forecast" else ""
                 lines.append(f"  {label:<5}{name:<11}{cells}")
+        moving = [n for n in rep.get("moving_classes", ()) if n in wor["forecast"]["per_class"]]
+        if moving:
+            w, mw = max(16, max(len(n) + 1 for n in moving)), max(cw, 15)  # a cell: "100.0 / 100.0"
+            lines.append("  moving classes, IoU per horizon, forecast / copy-last:")
+            lines.append(f"  {'':<{w}}" + "".join(f"{c:>{mw}}" for c in cols))
+            for n in moving:
+                pairs = list(zip(wor["forecast"]["per_class"][n], wor["copy_last"]["per_class"][n]))
+                pairs.append((wor["forecast"]["per_class_avg"][n], wor["copy_last"]["per_class_avg"][n]))
+                lines.append(f"  {n:<{w}}" + "".join(f"{_pct(a) + ' / ' + _pct(b):>{mw}}" for a, b in pairs))
     names = rep["class_names"]
     cols = []
     if tok:
@@ -477,37 +448,8 @@ def _mask_field(name: str, manifest) -> Optional[int]:
     return named[name]
 
 
-def default_horizons(frame_rate_hz: float, stride: int, future: int) -> tuple[tuple[float, ...], str]:
-    """The horizons --eval-only uses without --horizons, and why: OccWorld's 1 s, 2 s, 3 s where the
-    windows reach them in whole steps; otherwise the future steps at a third, two thirds and all of
-    the window (the protocol's shape: steps 2, 4, 6 of 6), in seconds."""
-    if not frame_rate_hz > 0:
-        return PROTOCOL_HORIZONS, "OccWorld's protocol"
-    dt = stride / frame_rate_hz
-    ks = [h / dt for h in PROTOCOL_HORIZONS]
-    whole = all(abs(k - round(k)) <= 1e-6 * max(1.0, k) for k in ks)
-    if whole and round(ks[-1]) <= future:
-        return PROTOCOL_HORIZONS, ""
-    steps = sorted({max(1, round(i * future / 3)) for i in (1, 2, 3)})
-    hs = tuple(round(k * dt, 6) for k in steps)
-    if whole:
-        need = f"need data.future >= {round(ks[-1])} at this stride"
-    else:
-        need = f"are not whole steps of {dt:g} s (data.stride={stride} at {frame_rate_hz:g} Hz)"
-    return hs, (f"the default for these windows ({future} future frames at {frame_rate_hz:g} Hz, stride {stride}, "
-                f"reach {future * dt:g} s); OccWorld's 1 s, 2 s, 3 s {need}; --horizons chooses others")
-
-
 def _parse_horizons(text: Optional[str]) -> tuple[float, ...]:
-    if not text:
-        return PROTOCOL_HORIZONS
-    try:
-        hs = tuple(float(x.strip().rstrip("s")) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise WMError(f"--horizons {text!r}: give seconds separated by commas, e.g. 1,2,3") from None
-    if not hs or not all(math.isfinite(h) for h in hs):
-        raise WMError(f"--horizons {text!r}: give seconds separated by commas, e.g. 1,2,3")
-    return hs
+    return parse_horizons(text) if text else PROTOCOL_HORIZONS
 
 
 def _precision(dtype) -> str:
@@ -515,10 +457,14 @@ def _precision(dtype) -> str:
 
 
 def default_json(run_dir: Path, stages: Sequence[str], split: str, mode: str, mask: str,
-                 ckpt: Optional[Path]) -> Path:
-    """<run>/eval/<stages>_<split>_<mode>[_mask-<mask>].json; with --ckpt the file's stem leads."""
+                 ckpt: Optional[Path], horizons: Sequence[float] = PROTOCOL_HORIZONS) -> Path:
+    """<run>/eval/<stages>_<split>_<mode>[_mask-<mask>][_h<h1>-<h2>...].json: the horizons where a
+    forecast is scored at others than the protocol's, so no custom report takes the protocol's
+    name; with --ckpt the file's stem leads."""
     lead = "+".join(stages) if ckpt is None else f"{stages[0]}-{ckpt.stem}"
-    return run_dir / "eval" / (f"{lead}_{split}_{mode}" + (f"_mask-{mask}" if mask != "none" else "") + ".json")
+    hs = "_h" + "-".join(horizon_label(h) for h in horizons) \
+        if "world" in stages and tuple(horizons) != PROTOCOL_HORIZONS else ""
+    return run_dir / "eval" / (f"{lead}_{split}_{mode}" + (f"_mask-{mask}" if mask != "none" else "") + hs + ".json")
 
 
 def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[torch.dtype], args) -> int:
@@ -579,7 +525,9 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
     steps = None
     if "world" in stages:
         check_stride(plan, cfg, info.frame_rate_hz)
-        if not asked:
+        if not asked and cfg.data.horizons_s:  # the horizons this run is for
+            horizons, why = tuple(cfg.data.horizons_s), "data.horizons_s"
+        elif not asked:
             horizons, why = default_horizons(info.frame_rate_hz, cfg.data.stride, cfg.data.future)
         steps = horizon_steps(horizons, info.frame_rate_hz, cfg.data.stride, cfg.data.future,
                               longest=cfg.world.max_frames + 1 - cfg.data.past)
@@ -596,6 +544,7 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
         "split": split, "mask": mask, "mode": mode, "unit": "percent",
         "data": {"root": str(root), "fingerprint": manifest.fingerprint, "frame_rate_hz": info.frame_rate_hz},
         "class_names": names, "free_class": info.free_class,
+        "moving_classes": list(moving_classes(info, cfg.data.moving_classes)),
         "world_size": d.world_size, "device": str(device), "precision": _precision(dtype),
         "wm_version": wm.__version__, "torch_version": torch.__version__, "argv": list(sys.argv),
     }
@@ -634,7 +583,7 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
                         **forecast_report(f, steps, horizons, mode, names)}
 
     if d.is_main:
-        out = Path(args.json) if args.json else default_json(run_dir, stages, split, mode, mask, ckpt)
+        out = Path(args.json) if args.json else default_json(run_dir, stages, split, mode, mask, ckpt, horizons)
         print(format_table(rep))
         try:
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,7 @@ a function to `reduce_`.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -46,6 +46,12 @@ MODES = ("exclude", "occworld")
 # 0-based future-step indices of OccWorld's reported frames: 2nd, 4th, 6th future frame = 1 s, 2 s, 3 s
 # at 2 Hz (OccWorld eval_metric_stp3.py averages val_iou[1], val_iou[3], val_iou[5]).
 OCCWORLD_STEPS: tuple[int, ...] = (1, 3, 5)
+
+
+def step_label(k: int, step_s: Optional[float] = None) -> str:
+    """How tables name future step k (1-based): "t+2 (1s)" where a step's length in seconds is known
+    (data.stride / frame_rate_hz), else "t+2"."""
+    return f"t+{k}" if not step_s or step_s <= 0 else f"t+{k} ({round(k * step_s, 6):g}s)"
 
 
 def _check_mode(mode: str) -> None:

@@ -4,11 +4,14 @@ Used by tools/convert_frames.py (planning, in the main process) and wm.convert.r
 crop / pad of every frame, in the workers):
 
 - `check_range`: the data set's `range` must span grid x voxel size.
-- `grid_note`: the warning when X or Y is not a multiple of GRID_MULTIPLE (training would refuse
-  the grid), naming both fixes; `plan_fit` / `reframe`: --crop / --pad to such a grid, kept around
-  the ego, with the range moved along.
+- `grid_note`: the warning when X or Y is not a multiple of GRID_MULTIPLE, saying which tokenizer
+  refuses the grid (OccWorld's 3 levels; the default 2 levels need multiples of 2) and both fixes;
+  `plan_fit` / `reframe`: --crop / --pad to such a grid, kept around the ego, with the range moved along.
 - `time_unit_outliers`: a scene whose median frame interval is x1000 (or more) off the others' (one
   drive in milliseconds among drives in seconds) is refused, named.
+- `int64_us` / `rate_problem`: timestamps that do not fit int64 microseconds in the unit given, a
+  median rate outside what sensor logs record (MIN_HZ..MAX_HZ), or one that contradicts a given
+  frame_rate_hz, are refused in one line naming the unit the timestamps look like.
 - `yaw_stats` / `yaw_unit_note`: a yaw column that looks like degrees gets a warning. The rule,
   measured on 2000 fabricated drives each at 2 and 10 Hz (24-40 frames, yaw rates up to 0.5 rad/s,
   any heading): some |yaw| > 2 pi or a turn faster than 2 rad/s read as radians warned on 0 % of
@@ -31,8 +34,14 @@ from wm.errors import DataError
 # OccWorld's tokenizer downsamples X and Y twice by 2 (wm.config refuses grids that tokenizer.widths
 # cannot divide); fewer tokenizer levels need only a divisor of 4.
 GRID_MULTIPLE = 4
-# wm.convert.TIME_UNITS in order, each x1000 finer than the one before
+# timestamp units (--time-unit) in microseconds, each x1000 finer than the one before
+TIME_UNITS = {"s": 1e6, "ms": 1e3, "us": 1.0, "ns": 1e-3}
 UNITS = {"s": "seconds", "ms": "milliseconds", "us": "microseconds", "ns": "nanoseconds"}
+# Frame rates of sensor logs (camera/lidar keyframes 0.5-2 Hz up to 100 Hz IMU-synchronous grids):
+# a median rate outside them says the timestamps' unit is wrong, not the sensor.
+MIN_HZ, MAX_HZ = 0.5, 100.0
+# a frame_rate_hz given beside the timestamps may differ from their median rate by clock jitter only
+RATE_TOL = 0.05
 # A yaw rate no ground vehicle reaches (rad/s); yaw written in degrees but read as radians turns
 # 57x faster than it should (a 3 deg/s turn reads as 3 rad/s).
 MAX_YAW_RATE = 2.0
@@ -50,16 +59,25 @@ def check_range(grid, voxel, rng, where: str) -> None:
 
 
 def grid_note(grid, multiple: int = GRID_MULTIPLE) -> Optional[str]:
-    """A warning when X or Y is not a multiple of `multiple` (training would refuse the grid)."""
-    bad = [f"{a}={n}" for a, n in zip("XY", grid[:2]) if n % multiple]
+    """A warning when X or Y is not a multiple of `multiple` (4: a 3-level tokenizer's), saying which
+    tokenizers take the grid: the default 2-level one needs multiples of 2 only."""
+    bad = [(a, n) for a, n in zip("XY", grid[:2]) if n % multiple]
     if not bad:
         return None
     down = [n // multiple * multiple for n in grid[:2]]
     up = [-(-n // multiple) * multiple for n in grid[:2]]
     z = grid[2]
-    return (f"grid {' x '.join(map(str, grid))}: {' and '.join(bad)} not a multiple of {multiple}, which training "
-            f"refuses (the tokenizer halves X and Y twice); convert with --crop ({down[0]} x {down[1]} x {z}) "
-            f"or --pad ({up[0]} x {up[1]} x {z})")
+    fix = f"convert with --crop ({down[0]} x {down[1]} x {z}) or --pad ({up[0]} x {up[1]} x {z})"
+    odd = [(a, n) for a, n in bad if n % 2]
+    named = odd or bad
+    what = f"grid {' x '.join(map(str, grid))}: {' and '.join(f'{a}={n}' for a, n in named)} " + \
+        ("is not a multiple" if len(named) == 1 else "are not multiples")
+    if odd:
+        return (f"{what} of 2, which every tokenizer refuses (the default 2-level one halves X and Y once, "
+                f"OccWorld's 3 levels twice); {fix}")
+    it = "it" if len(bad) == 1 else "them"
+    return (f"{what} of {multiple}: the default 2-level tokenizer (the demo's tokenizer.widths) takes {it}, a 3-level "
+            f"one (OccWorld's, configs/occworld*.json) refuses {it} (it halves X and Y twice); for 3 levels {fix}")
 
 
 def plan_fit(grid, voxel, rng, mode: str, size=None, multiple: int = GRID_MULTIPLE, align: str = "ego") -> dict:
@@ -135,6 +153,50 @@ def yaw_unit_note(specs: Iterable) -> Optional[str]:
     total = sum(1 for s in specs if "yaw" in s.opts)
     return (f"yaw looks like degrees in {len(odd)} of {total} scenes ({name}: |yaw| up to {st['max_abs']:.3g}, "
             f"turning up to {st['max_rate']:.3g} rad/s read as radians); if so, convert with --yaw-units deg")
+
+
+def unit_guess(step_written: float, unit: str) -> str:
+    """'; they look like <unit> (...): convert with --time-unit u' for the one other unit in which a
+    median frame interval `step_written` (as written) is a sensor's rate, else what to do."""
+    for u, us in TIME_UNITS.items():
+        dt = step_written * us / 1e6
+        if u != unit and dt > 0 and MIN_HZ <= 1 / dt <= MAX_HZ:
+            return f"; they look like {UNITS[u]} (a frame every {dt:g} s, {1 / dt:g} Hz): convert with --time-unit {u}"
+    return "; check the timestamps and their unit (--time-unit s|ms|us|ns)"
+
+
+def int64_us(written: np.ndarray, unit: str, where: str) -> np.ndarray:
+    """Timestamps as written, in `unit`, as int64 microseconds; DataError naming `where` and the
+    likely unit when they do not fit (Unix microseconds read as seconds are 1e21 us)."""
+    us = np.asarray(written, np.float64) * TIME_UNITS[unit]
+    if not (np.abs(us) < 2.0 ** 63).all():
+        i = int(np.argmax(~(np.abs(us) < 2.0 ** 63)))
+        step = float(np.median(np.diff(written))) if len(written) > 1 else 0.0
+        raise DataError(f"{where}: timestamp {written[i]:.17g} read as {UNITS[unit]} is {us[i] / 1e6:.3g} s, "
+                        f"beyond int64 microseconds{unit_guess(step, unit)}")
+    return np.array([round(v) for v in us.tolist()], np.int64)
+
+
+def rate_problem(specs: dict, unit: str, given: Optional[float] = None, given_where: str = "") -> Optional[str]:
+    """Why the scenes' median frame interval (every scene's steps together) cannot be right, or None:
+    a rate outside MIN_HZ..MAX_HZ, or more than RATE_TOL off `given` (a frame_rate_hz named by
+    `given_where`). The message names the first scene's poses file and the unit the timestamps look like."""
+    steps = [np.diff(s.timestamp) for s in specs.values() if len(s.timestamp) > 1]
+    steps = np.concatenate(steps) if steps else np.zeros(0)
+    if not len(steps) or np.median(steps) <= 0:
+        return None
+    step_us = float(np.median(steps))
+    hz = 1e6 / step_us
+    first = specs[min(specs)]
+    measured = f"median frame interval {step_us / 1e6:g} s ({hz:g} Hz) read as {UNITS[unit]}"
+    guess = unit_guess(step_us / TIME_UNITS[unit], unit)
+    if given is not None and abs(hz / given - 1) > RATE_TOL:
+        return f"{given_where} {given:g} but the timestamps' {measured}{guess}; or correct {given_where}"
+    if not MIN_HZ <= hz <= MAX_HZ:
+        who = f"scene {first.name!r}" if len(specs) == 1 else f"scenes {first.name!r} and {len(specs) - 1} more"
+        return (f"{first.opts.get('poses', first.name)}: {who}: {measured}, outside the {MIN_HZ:g}-{MAX_HZ:g} Hz "
+                f"of sensor logs{guess}")
+    return None
 
 
 def ratio_words(r: float) -> str:

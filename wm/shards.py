@@ -102,10 +102,14 @@ class DatasetInfo:
     # {class name: [r, g, b]} for the pictures (wm.viz.class_palette); optional, and left out of
     # manifest.json when empty, so data sets without it keep their fingerprint
     class_colors: dict = field(default_factory=dict)
+    # the classes that move, in the order tables list them (wm.datastats.moving_classes); optional and
+    # left out of manifest.json when empty, where nuScenes-named classes stand for them
+    moving_classes: tuple[str, ...] = ()
 
     def __post_init__(self):
         self.grid = tuple(int(g) for g in self.grid)
         self.class_names = tuple(self.class_names)
+        self.moving_classes = tuple(self.moving_classes)
         self.voxel_size = tuple(float(v) for v in self.voxel_size)
         self.range = tuple(float(v) for v in self.range)
         if len(self.grid) != 3 or min(self.grid) < 1:
@@ -116,12 +120,25 @@ class DatasetInfo:
             raise DataError(f"free_class {self.free_class} is not a class id below {self.num_classes}")
         if len(self.class_names) != self.num_classes:
             raise DataError(f"{len(self.class_names)} class names given for {self.num_classes} classes")
+        check_moving(self.moving_classes, self.class_names, self.free_class, "moving_classes")
 
     def to_json(self) -> dict:
         d = json.loads(json.dumps(asdict(self)))
-        if not d["class_colors"]:
-            del d["class_colors"]
+        for k in ("class_colors", "moving_classes"):
+            if not d[k]:
+                del d[k]
         return d
+
+
+def check_moving(moving, class_names, free_class: int, where: str) -> None:
+    """Moving classes must be distinct, non-free classes of the data set; DataError naming `where`."""
+    for n in moving:
+        if n not in class_names:
+            raise DataError(f"{where}: {n!r} is not one of the classes {list(class_names)}")
+        if class_names.index(n) == free_class:
+            raise DataError(f"{where}: {n!r} is the free class; name classes of objects that move")
+        if list(moving).count(n) > 1:
+            raise DataError(f"{where}: {n!r} is named twice")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,8 +449,11 @@ def load_manifest(root: str | os.PathLike) -> Manifest:
                                              and all(isinstance(x, int) and 0 <= x <= 255 for x in v)
                                              for k, v in colors.items())):
         raise DataError(f"{p}: field 'class_colors' is {colors!r}, expected {{class name: [r, g, b]}} (0-255)")
+    moving = d.get("moving_classes", [])
+    if not (isinstance(moving, list) and all(isinstance(x, str) for x in moving)):
+        raise DataError(f"{p}: field 'moving_classes' is {moving!r}, expected a list of class names")
     try:
-        info = DatasetInfo(**{k: d[k] for k in keys}, class_colors=colors)
+        info = DatasetInfo(**{k: d[k] for k in keys}, class_colors=colors, moving_classes=moving)
     except (TypeError, ValueError, DataError) as e:
         raise DataError(f"{p}: {e}") from None
     shards = d["shards"]

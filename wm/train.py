@@ -50,10 +50,12 @@ from wm.config import (Config, DataConfig, StageConfig, from_dict, load as load_
 from wm.data import (CodeWindows, OccWindows, ResumableSampler, check_against_config, ignore_stop_signals, make_loader,
                      resolve_root, start_workers)
 from wm.atomic import write_bytes
-from wm.datastats import DYNAMIC_CLASSES, sample_counts
+from wm.datastats import moving_classes, sample_counts
 from wm.errors import ConfigError, DataError, WMError, first_line
 from wm.logs import Logger, eta
 from wm.evaluate import autocast, eval_batches, evaluate_run, forecast, frames_config, reconstruction
+from wm.horizons import check_config_reaches, print_plan
+from wm.metrics import step_label
 from wm.tokenizer import Tokenizer, count_parameters
 from wm.viz import figure
 from wm.world import WorldModel
@@ -352,9 +354,9 @@ def batches_per_rank(name: str, samples: int, world_size: int, batch: int, grad_
     return n
 
 
-def val_metrics(name: str, future: int, class_names=(), free_class: int = -1) -> list[str]:
+def val_metrics(name: str, future: int, class_names=(), free_class: int = -1, moving=()) -> list[str]:
     """The validation metrics a stage reports (TokenizerStage.evaluate, WorldStage.evaluate); with
-    the data set's class names also the per-class IoUs (class_scalars)."""
+    the data set's class names also the per-class IoUs (class_scalars), per step for the `moving` ones."""
     per_class = [n for c, n in enumerate(class_names) if c != free_class]
     if name == "tokenizer":
         return ["val/iou", "val/miou", "val/code_usage", "val/perplexity"] + [f"val/class_iou/{n}" for n in per_class]
@@ -362,16 +364,19 @@ def val_metrics(name: str, future: int, class_names=(), free_class: int = -1) ->
     return ["val/iou", "val/miou", "val/copy_last_iou", "val/copy_last_miou"] + [
         f"val/{pre}{m}_t{t + 1}" for pre in ("", "copy_last_") for m in ("iou", "miou") for t in range(future)] + [
         f"val/{pre}class_iou/{n}{t}" for pre in ("", "copy_last_") for n in per_class
-        for t in [""] + (steps if n in DYNAMIC_CLASSES else [])]
+        for t in [""] + (steps if n in moving else [])]
 
 
 def check_stages(run: Run) -> None:
     """Every check that can fail a stage, for each stage still to run, before the first step of the
     first one (a world stage that cannot start must not wait for hours of tokenizer training): both
     splits present with windows at the stage's settings (window length at data.stride), the batch
-    against the training windows, the best_metric. Window indexes come from scene offsets alone,
-    so this reads no frames. Also says whether training uses the visibility mask."""
+    against the training windows, the best_metric; and data.horizons_s against the windows. Window
+    indexes come from scene offsets alone, so this reads no frames. Also says whether training uses
+    the visibility mask."""
     cfg, d = run.cfg, run.d
+    if "world" in cfg.train.stages:  # first: the setting that reaches data.horizons_s, not "shorten the window"
+        check_config_reaches(cfg, run.root, run.manifest.info.frame_rate_hz)
     for name in cfg.train.stages:
         if (run.stage_dir(name) / "done.json").is_file():
             continue
@@ -383,7 +388,8 @@ def check_stages(run: Run) -> None:
         except DataError as e:
             raise DataError(f"{name} stage: {e}") from None
         batches_per_rank(name, samples, d.world_size, s.batch_size or cfg.data.batch_size, s.grad_accum)
-        metrics = val_metrics(name, cfg.data.future, run.manifest.info.class_names, cfg.data.free_class)
+        metrics = val_metrics(name, cfg.data.future, run.manifest.info.class_names, cfg.data.free_class,
+                              moving_classes(run.manifest.info, cfg.data.moving_classes))
         if s.best_metric not in metrics:
             raise ConfigError(f"{name}_stage.best_metric", f"{s.best_metric!r} is not a validation metric of "
                               f"the {name} stage; choose one of {', '.join(metrics)}")
@@ -452,7 +458,7 @@ class TokenizerStage:
                                cfg.data.num_workers, cfg.data.pin_memory, "tokenizer validation", self.run.say)
         r = reconstruction(unwrap(model), batches, d, device, dtype, cfg.data.num_classes, cfg.data.free_class,
                            keep_first=d.is_main and cfg.train.images)
-        pics = [("val/recon_gt_top_pred_bottom", r.first)] if r.first else []
+        pics = [("val/recon_gt_top_pred_bottom", r.first, None)] if r.first else []
         s = r.cm.summary()
         out = {"val/iou": s["iou"][0], "val/miou": s["miou"][0],
                "val/code_usage": r.code_usage, "val/perplexity": r.perplexity}
@@ -521,13 +527,16 @@ class WorldStage:
         f = forecast(self.tokenizer, unwrap(model), batches, d, device, dtype, cfg.data.past, S,
                      cfg.data.num_classes, cfg.data.free_class,
                      given_motion=cfg.train.forecast_motion == "given", keep_first=d.is_main and cfg.train.images)
-        pics = [("val/forecast_gt_top_pred_bottom", f.first)] if f.first else []
+        step_s = step_seconds(cfg, self.run.manifest.info)
+        pics = [("val/forecast_gt_top_pred_bottom", f.first, [step_label(t + 1, step_s) for t in range(S)])] \
+            if f.first else []
         a, b = f.ours.summary(), f.base.summary()
         out = {"val/iou": a["iou_avg"], "val/miou": a["miou_avg"],
                "val/copy_last_iou": b["iou_avg"], "val/copy_last_miou": b["miou_avg"]}
         names, free = self.run.manifest.info.class_names, cfg.data.free_class
-        out.update(class_scalars(a, names, free, "val/class_iou/", per_step=DYNAMIC_CLASSES))
-        out.update(class_scalars(b, names, free, "val/copy_last_class_iou/", per_step=DYNAMIC_CLASSES))
+        moving = moving_classes(self.run.manifest.info, cfg.data.moving_classes)
+        out.update(class_scalars(a, names, free, "val/class_iou/", per_step=moving))
+        out.update(class_scalars(b, names, free, "val/copy_last_class_iou/", per_step=moving))
         for t in range(S):
             out[f"val/iou_t{t + 1}"] = a["iou"][t]
             out[f"val/miou_t{t + 1}"] = a["miou"][t]
@@ -1000,8 +1009,9 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
             model.train()
             evaluated = True
             log.scalars(step, last_val, kind=f"{stage.name}/val")
-            for tag, frames in pics:  # BEV pictures in the data set's colours, with a legend
-                log.image(f"{stage.name}/{tag}", step, bev_pair(frames, run.manifest.info))
+            for tag, frames, labels in pics:  # BEV pictures in the data set's colours, with a legend
+                log.image(f"{stage.name}/{tag}", step, bev_pair(frames, run.manifest.info,
+                                                                moving_classes(run.manifest.info, cfg.data.moving_classes), labels))
             v = last_val.get(s.best_metric)
             if v is None:
                 raise WMError(f"{stage.name}_stage.best_metric {s.best_metric!r} is not a validation "
@@ -1040,12 +1050,19 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
     return last_val
 
 
-def bev_pair(frames: list, info) -> np.ndarray:
-    """Ground truth above, model below: BEV pictures (wm.viz.figure) with a legend, moving objects
-    drawn over whatever is above them (a car under a tree shows as the car)."""
-    dyn = [c for c, n in enumerate(info.class_names) if n in DYNAMIC_CLASSES]
+def bev_pair(frames: list, info, moving=None, labels=None) -> np.ndarray:
+    """Ground truth above, model below: BEV pictures (wm.viz.figure) with a legend, the `moving`
+    classes (default: the data set's) drawn over whatever is above them (a car under a tree shows as
+    the car); `labels` over the frames (the forecast's steps)."""
+    moving = moving_classes(info) if moving is None else moving
+    dyn = [c for c, n in enumerate(info.class_names) if n in moving]
     return figure([list(frames[0]), list(frames[1])], info.class_names, info.free_class, info.class_colors,
-                  titles=["ground truth", "prediction"], prefer=dyn)
+                  titles=["ground truth", "prediction"], prefer=dyn, labels=labels)
+
+
+def step_seconds(cfg: Config, info) -> Optional[float]:
+    """Seconds per forecast step (data.stride / the data set's frame rate), None where the rate is unknown."""
+    return cfg.data.stride / info.frame_rate_hz if info.frame_rate_hz > 0 else None
 
 
 class Preempted(Exception):
@@ -1097,12 +1114,17 @@ def parse_args(argv=None):
                     help="visibility mask: none (default, OccWorld's protocol) or a mask the data set has (mask)")
     ev.add_argument("--mode", choices=("occworld", "exclude"),
                     help="classes absent from the ground truth: occworld (default: IoU 100%%, OccWorld's) or exclude")
-    ev.add_argument("--horizons", help="forecast horizons in seconds, reported with their average (default: 1,2,3)")
-    ev.add_argument("--json", help="where to write the report (default: <run>/eval/<stages>_<split>_<mode>.json)")
+    ev.add_argument("--horizons", help="forecast horizons in seconds, reported with their average (default: "
+                    "data.horizons_s, else 1,2,3 where the windows reach them); without --eval-only: print a "
+                    "setting of data.past, data.future, data.stride, world.max_frames that reaches them, train nothing")
+    ev.add_argument("--json", help="where to write the report (default: <run>/eval/<stages>_<split>_<mode>"
+                    "[_mask-<mask>][_h<horizons>].json)")
     return ap.parse_args(argv)
 
 
-def final_table(cfg: Config, results: dict) -> str:
+def final_table(cfg: Config, results: dict, moving=(), step_s: Optional[float] = None) -> str:
+    """The table printed when training ends: reconstruction, the forecast and copy-last per future
+    step (labelled in seconds where `step_s` is known), the `moving` classes' IoU per step."""
     lines = []
     if "tokenizer" in results:
         r = results["tokenizer"]
@@ -1111,31 +1133,35 @@ def final_table(cfg: Config, results: dict) -> str:
     if "world" in results:
         r = results["world"]
         S = cfg.data.future
+        head = f"{'step':<10}" + "".join(f"{step_label(t + 1, step_s):>14}" for t in range(S)) + f"{'avg':>14}"
         lines.append(f"world-model forecast (val, {cfg.train.forecast_motion} ego motion), IoU / mIoU per future step:")
-        lines.append(f"{'step':<10}" + "".join(f"{'t+' + str(t + 1):>14}" for t in range(S)) + f"{'avg':>14}")
+        lines.append(head)
         for name, pre in (("forecast", "val/"), ("copy-last", "val/copy_last_")):
             cells = "".join(f"{r.get(f'{pre}iou_t{t + 1}', float('nan')):>7.2f}/{r.get(f'{pre}miou_t{t + 1}', float('nan')):<6.2f}"
                             for t in range(S))
             lines.append(f"{name:<10}{cells}{r.get(pre + 'iou', float('nan')):>7.2f}/{r.get(pre + 'miou', float('nan')):<6.2f}")
-        lines += dynamic_table(r, S)
+        lines += moving_table(r, S, moving, head) if moving else [
+            "(no moving classes: the data set declares none and has no nuScenes-named ones; set "
+            "data.moving_classes, or moving_classes in classes.json at conversion)"]
     return "\n".join(lines)
 
 
-def dynamic_table(r: dict, S: int) -> list[str]:
-    """Rows of the dynamic classes' forecast IoU per future step, forecast / copy-last (the classes
-    the validation windows hold; '-' where a step has none of that class)."""
+def moving_table(r: dict, S: int, moving, head: str) -> list[str]:
+    """Rows of the moving classes' forecast IoU per future step, forecast / copy-last, under `head`
+    (widened to the longest name; the classes the validation windows hold; '-' where a step has none)."""
     def cell(v):
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.1f}"
 
+    w = max([10] + [len(n) + 1 for n in moving])
     rows = []
-    for n in DYNAMIC_CLASSES:
+    for n in moving:
         vals = [(r.get(f"val/class_iou/{n}_t{t + 1}"), r.get(f"val/copy_last_class_iou/{n}_t{t + 1}")) for t in range(S)]
         if all(a is None and b is None for a, b in vals):
             continue
         avg = (r.get(f"val/class_iou/{n}"), r.get(f"val/copy_last_class_iou/{n}"))
-        rows.append(f"{n[:10]:<10}" + "".join(f"{cell(a) + ' / ' + cell(b):>14}" for a, b in vals + [avg]))
+        rows.append(f"{n:<{w}}" + "".join(f"{cell(a) + ' / ' + cell(b):>14}" for a, b in vals + [avg]))
     if rows:
-        rows.insert(0, "dynamic classes, IoU per future step, forecast / copy-last:")
+        rows[:0] = ["moving classes, IoU per future step, forecast / copy-last:", f"{'step':<{w}}{head[10:]}"]
     return rows
 
 
@@ -1147,7 +1173,7 @@ def _collective_failure(e: BaseException) -> bool:
                                    "broken pipe", "watchdog"))
 
 
-def make_summary(cfg: Config, results: dict) -> dict:
+def make_summary(cfg: Config, results: dict, moving=(), step_s: Optional[float] = None) -> dict:
     """The figures of the final table, for scripts: summary.json in the run folder."""
     out: dict[str, Any] = {}
     if "tokenizer" in results:
@@ -1160,6 +1186,7 @@ def make_summary(cfg: Config, results: dict) -> dict:
         r, S = results["world"], cfg.data.future
         out["world"] = {"forecast_motion": cfg.train.forecast_motion,
                         "steps": [f"t+{t + 1}" for t in range(S)],
+                        "seconds": [round((t + 1) * step_s, 6) for t in range(S)] if step_s else None,
                         "iou": [r.get(f"val/iou_t{t + 1}") for t in range(S)],
                         "miou": [r.get(f"val/miou_t{t + 1}") for t in range(S)],
                         "copy_last_iou": [r.get(f"val/copy_last_iou_t{t + 1}") for t in range(S)],
@@ -1168,9 +1195,9 @@ def make_summary(cfg: Config, results: dict) -> dict:
                         "copy_last_iou_avg": r.get("val/copy_last_iou"),
                         "copy_last_miou_avg": r.get("val/copy_last_miou"),
                         "class_iou": {n: [r.get(f"val/class_iou/{n}_t{t + 1}") for t in range(S)]
-                                      for n in DYNAMIC_CLASSES},
+                                      for n in moving},
                         "copy_last_class_iou": {n: [r.get(f"val/copy_last_class_iou/{n}_t{t + 1}")
-                                                for t in range(S)] for n in DYNAMIC_CLASSES}}
+                                                for t in range(S)] for n in moving}}
     return out
 
 
@@ -1181,10 +1208,12 @@ def main(argv=None) -> int:
 
         print(reference())
         return 0
-    stray = [f for f in ("ckpt", "stage", "split", "mask", "mode", "horizons", "json") if getattr(args, f) is not None]
+    stray = [f for f in ("ckpt", "stage", "split", "mask", "mode", "json") if getattr(args, f) is not None]
     if stray and not args.eval_only:
         raise WMError(f"--{stray[0]} belongs to evaluation; add --eval-only (training ignores it)")
     cfg = load_config(args.cfg, args.set)
+    if args.horizons is not None and not args.eval_only:  # plan: a window setting that reaches them
+        return print_plan(cfg, args.horizons, resolve_root(cfg))
     if not args.eval_only:  # evaluation keeps the default Ctrl-C: nothing to save
         install_signal_handlers()
     d = D.init(cfg.train.device, cfg.train.timeout_s)
@@ -1227,10 +1256,12 @@ def main(argv=None) -> int:
         finally:
             run.log.close()
         if d.is_main:
-            table = final_table(cfg, results)
+            moving = moving_classes(run.manifest.info, cfg.data.moving_classes)
+            step_s = step_seconds(cfg, run.manifest.info)
+            table = final_table(cfg, results, moving, step_s)
             minutes = (time.time() - t0) / 60
             print(f"\nrun {run.dir} finished in {minutes:.1f} min\n{table}")
-            summary = make_summary(cfg, results)
+            summary = make_summary(cfg, results, moving, step_s)
             summary["minutes"] = round(minutes, 2)
             write_bytes(run.dir / "summary.json", json.dumps(summary, indent=1))
         return 0

@@ -216,12 +216,24 @@ def draw_text(img: np.ndarray, text: str, x: int, y: int, colour=(0, 0, 0), scal
         img[y:y + h, x0:x0 + w][g[:h, :w]] = colour
 
 
+def _legend_labels(class_names: Sequence[str], free_class: Optional[int]) -> list[str]:
+    return [n + (" (free)" if c == free_class and "free" not in n.lower() else "") for c, n in enumerate(class_names)]
+
+
+def _legend_item(labels: Sequence[str], scale: int) -> int:
+    """Width of one legend entry (swatch, gap, the longest name, margin) at `scale`."""
+    return GLYPH_H * scale + 3 * scale + max(text_width(t, scale) for t in labels) + 6 * scale
+
+
 def legend(class_names: Sequence[str], pal: np.ndarray, width: int, free_class: Optional[int] = None,
            scale: int = 2) -> np.ndarray:
-    """(H, width, 3) white panel: one swatch and name per class, in as many columns as fit."""
+    """(H, width, 3) white panel: one swatch and name per class, in as many columns as fit; a font
+    of `scale`, or smaller where the longest name would not fit the width at it."""
+    labels = _legend_labels(class_names, free_class)
+    while scale > 1 and _legend_item(labels, scale) + 3 * scale > width:
+        scale -= 1
     sw, pad = GLYPH_H * scale, 3 * scale
-    labels = [n + (" (free)" if c == free_class and "free" not in n.lower() else "") for c, n in enumerate(class_names)]
-    item = sw + pad + max(text_width(t, scale) for t in labels) + 2 * pad
+    item = _legend_item(labels, scale)
     cols = max(1, (width - pad) // item)
     rows = math.ceil(len(labels) / cols)
     row_h = sw + pad
@@ -236,29 +248,38 @@ def legend(class_names: Sequence[str], pal: np.ndarray, width: int, free_class: 
 
 def figure(rows: Sequence[Sequence[Optional[np.ndarray]]], class_names: Sequence[str], free_class: int,
            colors: Optional[dict] = None, titles: Optional[Sequence[str]] = None, min_px: int = 256,
-           scale: int = 0, prefer=()) -> np.ndarray:
+           scale: int = 0, prefer=(), labels: Optional[Sequence[Optional[str]]] = None) -> np.ndarray:
     """The picture of one or more rows of (X, Y, Z) frames (None in a row: a past|future gap): BEV
     maps in the data set's colours, enlarged by nearest neighbour so a frame is at least `min_px`
-    wide (or `scale` pixels per voxel when given), a title over each row, a legend of every class;
-    `prefer`: see top_class."""
+    wide (or `scale` pixels per voxel when given), a title over each row, `labels` over the frames
+    of the first row (one per entry, e.g. the forecast's steps), a legend of every class (the
+    picture widened where the longest class name needs it); `prefer`: see top_class."""
     pal = class_palette(class_names, free_class, colors)
     frames = [f for r in rows for f in r if f is not None]
     k = scale or max(1, math.ceil(min_px / frames[0].shape[0]))
     gap = max(2, k)
-    strips = []
+    strips, lefts = [], []
     for r in rows:
         ims = [bev(f, len(class_names), free_class, pal, prefer) if f is not None else None for f in r]
         h = next(im.shape[0] for im in ims if im is not None)
         ims = [im if im is not None else np.full((h, max(2, h // 8), 3), GAP_GREY, np.uint8) for im in ims]
+        lefts.append(np.cumsum([0] + [im.shape[1] * k + gap for im in ims])[:-1])
         strips.append(tile(ims, gap=gap, scale=k))
     width = max(s.shape[1] for s in strips)
     ts = 2 if width >= 200 else 1
+    width = max(width, _legend_item(_legend_labels(class_names, free_class), 1) + 3)
     parts = []
     for i, s in enumerate(strips):
         if titles:
             head = np.full((GLYPH_H * ts + 4 * ts, width, 3), 255, np.uint8)
             draw_text(head, titles[i], 2 * ts, 2 * ts, scale=ts)
             parts.append(head)
+        if labels and i == 0:
+            band = np.full((GLYPH_H * ts + 4 * ts, width, 3), 255, np.uint8)
+            for x, t in zip(lefts[0], labels):
+                if t:
+                    draw_text(band, t, int(x) + ts, 2 * ts, scale=ts)
+            parts.append(band)
         row = np.full((s.shape[0], width, 3), GAP_GREY, np.uint8)
         row[:, :s.shape[1]] = s
         parts += [row, np.full((gap, width, 3), GAP_GREY, np.uint8)]

@@ -194,6 +194,8 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
            "models": out}
     if ort:
         res["parity"] = parity
+    rate = ds.manifest.info.frame_rate_hz
+    res["step_s"] = cfg.data.stride / rate if rate > 0 else None  # seconds per forecast step, for the table
     return res
 
 
@@ -239,12 +241,16 @@ def format_report(d: Mapping) -> str:
         se = r.get(f"drop_{k}_avg_se")
         return f(r[f"drop_{k}_avg"]) + (f" ± {se:4.2f}" if se is not None else " " * 7)
 
-    steps = " ".join(f"{'s' + str(s + 1):>6}" for s in range(S))
+    steps = " ".join(f"{'t+' + str(s + 1):>6}" for s in range(S))
     head = (f"{'model':<14} IoU  {steps} {'avg':>6} | mIoU {steps} {'avg':>6} | "
             f"{'dIoU':>13} {'dmIoU':>13} | {'agree':>6} | {'ms/win':>8}")
     lines = [f"held-out: {d['windows']} windows of split {d['split']!r}, IoU/mIoU in percent per future step; "
              f"d = drop vs pytorch_fp32 (± its standard error over the windows); ms/win = time per window in the row's engine (engine {d['engine']})",
-             head, "-" * len(head)]
+             head]
+    if d.get("step_s"):  # each step's time after the last past frame (data.stride / frame rate)
+        secs = " ".join(f"{round((s + 1) * d['step_s'], 6):>5g}s" for s in range(S))
+        lines.append(f"{'(seconds)':<14}      {secs}        |      {secs}")
+    lines.append("-" * len(head))
     for v, r in d["models"].items():
         iou = " ".join(f(x) for x in r["iou"])
         miou = " ".join(f(x) for x in r["miou"])
