@@ -15,7 +15,7 @@ the device) and 4x4 poses (numpy), the future ego motion given. Rows (--modes):
 - ort-fp32, ort-fp16, ort-int8: onnxruntime on the CPU, the exported graphs (--export folder:
   export.py's files; without one the FP32 and FP16 graphs are exported to a temporary folder, INT8
   needs export.py --int8) run by the deployed host loop wm.export.forecast.forecast (its step graph
-  has no cache: every step runs all frames so far);
+  has no cache: every step runs all frames so far; INT8 runs onnxruntime's copies, .int8-ort.onnx);
 - occworld-fp32 (and occworld-bf16, autocast): OccWorld's released model code from --occworld PATH
   at its own config's sizes, its evaluation forward (tools/occworld_harness.py).
 
@@ -48,7 +48,7 @@ from wm.errors import WMError, first_line, run_cli  # noqa: E402
 
 TORCH_MODES = {"fp32": ("fp32", None), "bf16": ("bf16", None), "bf16-compile": ("bf16", "default"),
                "bf16-cudagraphs": ("bf16", "reduce-overhead")}
-ORT_MODES = {"ort-fp32": "", "ort-fp16": ".fp16", "ort-int8": ".int8"}
+ORT_MODES = {"ort-fp32": "", "ort-fp16": ".fp16", "ort-int8": ".int8-ort"}  # onnxruntime's INT8 copy
 OCCWORLD_MODES = {"occworld-fp32": "fp32", "occworld-bf16": "bf16"}
 ALL_MODES = (*TORCH_MODES, *ORT_MODES, *OCCWORLD_MODES)
 

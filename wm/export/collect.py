@@ -22,7 +22,6 @@ engine's device): memory does not grow with the number of windows.
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 

@@ -4,7 +4,8 @@ itself (DESIGN.md section 6).
 - :func:`quantizable_inputs`: every float tensor that feeds a Conv/ConvTranspose/MatMul/Gemm as a
   data input; :func:`output_heads`: the nodes that stay float because their values are the answer;
   :func:`exact_range_tensors`: the inputs whose range is the data's (they take their exact max).
-- :func:`quantize_qdq`: onnxruntime's ``quantize_static`` (QDQ format) does the graph work with
+- :func:`quantize_qdq`: onnxruntime's Q/DQ quantizer (``quantize_static``'s, without its calibration
+  run) does the graph work with
   every activation scale given as a ``TensorQuantOverrides`` override; weights per-channel
   symmetric int8 (its own min/max), bias left float; Softmax, normalisation, Gather/embeddings,
   Einsum, the output heads and every other op stay float: only the data inputs of the quantized
@@ -41,7 +42,6 @@ from typing import Optional
 
 import numpy as np
 
-from wm.atomic import discard, tmp_path
 from wm.errors import WMError
 from wm.export.calib import scale_from_amax
 from wm.export.onnx import save_checked
@@ -281,36 +281,6 @@ def output_heads(model, op_types: Sequence[str] = QUANT_OP_TYPES,
 # 3. Q/DQ graph
 
 
-class _Reader:
-    """onnxruntime CalibrationDataReader over a list of feeds (its ranges are never used: every
-    quantized activation has a scale override)."""
-
-    def __init__(self, feeds):
-        self.feeds = list(feeds)
-        self.it = iter(self.feeds)
-
-    def get_next(self):
-        return next(self.it, None)
-
-    def rewind(self):
-        self.it = iter(self.feeds)
-
-
-def _zero_feed(model) -> dict[str, np.ndarray]:
-    """One all-zero feed (dynamic dims = 2: world_step needs two frames) of the model's inputs: valid class ids, codes, motion."""
-    import onnx
-
-    const = {i.name for i in model.graph.initializer}
-    feed = {}
-    for i in model.graph.input:
-        if i.name in const:
-            continue
-        tt = i.type.tensor_type
-        shape = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else 2 for d in tt.shape.dim]
-        feed[i.name] = np.zeros(shape, onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
-    return feed
-
-
 def _float_consumers_back(model, original, quantized_nodes: set[str]) -> int:
     """Give every node that is not a quantized node its float input back where onnxruntime wired a
     DequantizeLinear output into it (``replace_input_of_all_nodes``: an activation with one
@@ -409,7 +379,6 @@ def qdq_scales(model) -> dict[str, dict]:
 def quantize_qdq(onnx_path, out_path, thresholds: Mapping[str, float],
                  exclude_op_types: Sequence[str] = FLOAT_OP_TYPES,
                  op_types: Sequence[str] = QUANT_OP_TYPES,
-                 calib_feeds: Optional[Sequence[Mapping[str, np.ndarray]]] = None,
                  nodes_to_exclude: Sequence[str] = (), exclude_heads: bool = True) -> dict:
     """Write a Q/DQ ONNX of `onnx_path` to `out_path` with OUR activation scales.
 
@@ -418,14 +387,11 @@ def quantize_qdq(onnx_path, out_path, thresholds: Mapping[str, float],
     Bias: float. Stay float (no Q/DQ on any of their inputs): `exclude_op_types` and every other
     op, the output heads (:func:`output_heads`, if `exclude_heads`), `nodes_to_exclude`, and any
     op_types node with a data input that has no positive finite threshold. onnxruntime's
-    quantize_static does the graph work; the result is re-read and checked (scales equal ours as
+    quantizer does the graph work (:func:`_ort_qdq`); the result is re-read and checked (scales equal ours as
     float32, no float op reads a DQ output), checked with onnx.checker and written atomically.
 
     Returns {"quantized_nodes": [...], "float_nodes": {name: why}, "scales": {tensor: scale},
     "weights": n, "rewired": n}."""
-    import onnx
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
-
     onnx_path, out_path = Path(onnx_path), Path(out_path)
     model = _load(onnx_path)
     op_types = tuple(t for t in op_types if t not in set(exclude_op_types))
@@ -469,22 +435,11 @@ def quantize_qdq(onnx_path, out_path, thresholds: Mapping[str, float],
         "QuantizeBias": False,  # bias stays float: TensorRT fuses it, an int32 DQ it does not take
         "AddQDQPairToWeight": False,  # weights as int8 initializers -> DequantizeLinear
     }
-    feeds = list(calib_feeds)[:2] if calib_feeds else [_zero_feed(model)]
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_path(out_path)
-    ort_log = logging.getLogger()
-    level = ort_log.level
     try:
-        ort_log.setLevel(logging.ERROR)  # quantize_static warns about pre-processing on every call
-        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
-            quantize_static(str(onnx_path), str(tmp), _Reader(feeds), quant_format=QuantFormat.QDQ,
-                            op_types_to_quantize=list(op_types), per_channel=True, reduce_range=False,
-                            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
-                            nodes_to_quantize=quantized, nodes_to_exclude=sorted(float_nodes),
-                            calibrate_method=CalibrationMethod.MinMax, extra_options=extra)
-        q = onnx.load(str(tmp))
+        q = _ort_qdq(onnx_path, scales, quantized, sorted(float_nodes), op_types, extra)
         rewired = _float_consumers_back(q, model, qset)
         _check_qdq(q, model, qset, scales, tensors, op_types, exclude_op_types, out_path.name)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
         save_checked(q, out_path)
     except OSError as e:
         raise Int8Error(f"cannot write {out_path}: {e}") from None
@@ -492,9 +447,6 @@ def quantize_qdq(onnx_path, out_path, thresholds: Mapping[str, float],
         if isinstance(e, WMError):
             raise
         raise Int8Error(f"quantizing {onnx_path.name} failed: {_one_line(e)}") from e
-    finally:
-        discard(tmp)  # the quantizer's own output
-        ort_log.setLevel(level)
     n_weights = len(qdq_scales(q)["weights"])
     return {"quantized_nodes": quantized, "float_nodes": float_nodes,
             "scales": {t: float(s) for t, s in scales.items()}, "weights": n_weights, "rewired": rewired}
@@ -548,6 +500,33 @@ def cpu_copy(qdq_path, original, out_path) -> int:
     except OSError as e:
         raise Int8Error(f"cannot write {out_path}: {e}") from None
     return done
+
+
+def _ort_qdq(onnx_path: Path, scales: Mapping[str, np.float32], nodes: Sequence[str], float_nodes: Sequence[str],
+             op_types: Sequence[str], extra: dict):
+    """onnxruntime's Q/DQ quantizer (what quantize_static runs) on the graph, with every activation
+    range given: quantize_static would first run the graph with every tensor to quantize as an
+    output, only to compute ranges that our scale overrides replace (3 of the 4.4 GiB peak at the
+    occworld size)."""
+    from onnxruntime.quantization import QuantType
+    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData
+    from onnxruntime.quantization.qdq_quantizer import QDQQuantizer
+    from onnxruntime.quantization.quant_utils import load_model_with_shape_infer
+
+    ranges = TensorsData(CalibrationMethod.MinMax, {t: TensorData(lowest=np.float32(-127 * s), highest=np.float32(127 * s))
+                                                   for t, s in scales.items()})
+    ort_log = logging.getLogger()
+    level = ort_log.level
+    try:
+        ort_log.setLevel(logging.ERROR)  # the quantizer warns about pre-processing
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+            qz = QDQQuantizer(load_model_with_shape_infer(Path(onnx_path)), True, False, QuantType.QInt8,
+                              QuantType.QInt8, ranges, list(nodes), list(float_nodes), list(op_types), extra)
+            qz.quantize_model()
+            qz.model.topological_sort()  # as quantize_static's save does
+    finally:
+        ort_log.setLevel(level)
+    return qz.model.model
 
 
 def _check_qdq(q, original, qset: set[str], scales: Mapping[str, np.float32],
