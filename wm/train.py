@@ -43,13 +43,14 @@ from torch import nn
 
 import wm
 from wm import distributed as D, runlock
-from wm.checkpoint import (Checkpointer, CheckpointError, latest_checkpoint, load_checked, newest_valid, rng_state,
+from wm.checkpoint import (Checkpointer, latest_checkpoint, load_checked, newest_valid, rng_state,
                            set_rng_state, sha256_file, write_atomic)
 from wm.config import (Config, DataConfig, StageConfig, from_dict, load as load_config, resolve_batch_sizes,
                        save as save_config, stage_batch, to_dict)
 from wm.data import (CodeWindows, OccWindows, ResumableSampler, check_against_config, ignore_stop_signals, make_loader,
                      resolve_root, start_workers)
 from wm.atomic import write_bytes
+from wm.ckpt_checks import EVAL_KEYS, all_finite, checker, first_nonfinite, meta_model, shapes
 from wm.datastats import DYNAMIC_CLASSES, sample_counts
 from wm.errors import ConfigError, DataError, WMError, first_line
 from wm.logs import Logger, eta
@@ -179,7 +180,7 @@ class Run:
                 "wm_version": wm.__version__, "torch_version": torch.__version__,
                 "git_commit": git_commit(), "world_size": d.world_size,
                 "shards": {s["path"]: s["sha256"] for s in self.manifest.shards}}  # what it trained on
-        self.resuming = False
+        self.resuming, self.fingerprints = False, {self.fingerprint}  # the data its checkpoints may name
         error = None
         if d.is_main:
             try:
@@ -189,7 +190,7 @@ class Run:
         failure = D.broadcast_object(None if error is None else str(error), d)  # every rank stops with it
         if failure is not None:
             raise error or WMError(failure)
-        self.resuming = D.broadcast_object(self.resuming, d)
+        self.resuming, self.fingerprints = D.broadcast_object((self.resuming, self.fingerprints), d)
         D.barrier(d)
         self.log = Logger(self.dir, enabled=d.is_main, tensorboard=cfg.train.tensorboard)
 
@@ -261,6 +262,7 @@ class Run:
         changed = {f"{sec}.{k}": [a[sec][k], b[sec][k]] for sec in a if sec not in free for k in a[sec]
                    if a[sec][k] != b[sec][k] and k not in RESUME_MAY_CHANGE.get(sec, ())}
         history = list(meta.get("history") or [])
+        self.fingerprints |= {f for h in history for f in h.get("data_fingerprint", ())}
         for key in allow_changed:
             sec, _, k = key.partition(".")
             if sec not in a or k not in a[sec]:
@@ -277,13 +279,17 @@ class Run:
                     else "")
             raise WMError(f"{self.dir} holds a run with another config ({'; '.join(diffs[:3])}"
                           f"{'...' if len(diffs) > 3 else ''}){hint}; use --fresh to start over or another run.name")
+        steps = {}
+        for stage in STAGE_SECTIONS:
+            d = _read_json_quiet(self.dir / stage / "checkpoints" / "latest")
+            if d and isinstance(d.get("step"), int):
+                steps[stage] = d["step"]
+        now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        if fp and fp != self.fingerprint:  # --allow-new-data: the older checkpoints stay this run's
+            history.append({"time": now, "step": steps, "data_fingerprint": [fp, self.fingerprint]})
+            self.fingerprints.add(fp)
         if changed:
-            steps = {}
-            for stage in STAGE_SECTIONS:
-                d = _read_json_quiet(self.dir / stage / "checkpoints" / "latest")
-                if d and isinstance(d.get("step"), int):
-                    steps[stage] = d["step"]
-            history.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step": steps, "changed": changed})
+            history.append({"time": now, "step": steps, "changed": changed})
             self.say("resuming with changed hyperparameters (recorded in config.json's meta.history): " +
                      ", ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in changed.items()))
         return history
@@ -317,6 +323,41 @@ RESUME_MAY_CHANGE = {
     "tokenizer": ("fused_head", "channels_last", "compile_channels_last", "compile_tuning"),
     "world": ("fused_attention", "channels_last"),
 }
+
+
+def run_identity(cfg: dict, stage: str, sections: tuple = ()) -> dict:
+    """The config keys a checkpoint of `stage` must share with this run to be its own: those a
+    resume refuses to change (not RESUME_MAY_CHANGE, SAFE_TO_CHANGE, nor where the folder is), of
+    the sections the stage trains with (or `sections`). ConfigError for a config this wm cannot read."""
+    d = resolve_batch_sizes(to_dict(from_dict(Config, cfg)))
+    secs = sections or ("run", "data", "synthetic", "train", "tokenizer", f"{stage}_stage") + (
+        ("world",) if stage == "world" else ())
+    return {f"{sec}.{k}": v for sec in secs for k, v in d[sec].items()
+            if k not in RESUME_MAY_CHANGE.get(sec, ()) and not (sec.endswith("_stage") and k in SAFE_TO_CHANGE)
+            and f"{sec}.{k}" not in ("run.name", "run.out_dir")}
+
+
+def belongs(run: "Run", stage: str, tok_sha: Optional[str] = None, sections: tuple = ()):
+    """wm.ckpt_checks' `belongs` for this run: why a checkpoint is another run's (config, data, or
+    for the world stage the tokenizer it trained on), or None. `sections`: see run_identity."""
+    mine = run_identity(to_dict(run.cfg), stage, sections)
+
+    def why(st: dict) -> Optional[str]:
+        try:
+            theirs = run_identity(st["config"], stage, sections)
+        except (ConfigError, TypeError, KeyError):
+            return "holds a config this wm cannot read, so it is another program's or another run's"
+        k = next((k for k in mine if theirs.get(k) != mine[k]), None)
+        if k:
+            return f"was saved by another run ({k} is {theirs.get(k)!r:.40}, this run's {mine[k]!r:.40})"
+        fp = st.get("data_fingerprint")
+        if fp not in run.fingerprints:
+            return f"was trained on other data (fingerprint {str(fp)[:16]}, this run's {run.fingerprint[:16]})"
+        got = st["tokenizer"].get("sha256") if isinstance(st.get("tokenizer"), dict) else None
+        if tok_sha and got != tok_sha:
+            return f"was trained on another tokenizer (sha256 {str(got)[:12]}, this world stage's is {tok_sha[:12]})"
+        return None
+    return why
 
 
 # ---------------------------------------------------------------------------------------------
@@ -541,7 +582,11 @@ def tokenizer_checkpoint(run: Run) -> tuple[Path, dict]:
     """The tokenizer the world stage builds on, checksum-checked, and its state: its stage's best
     checkpoint, else (named) its newest valid one."""
     folder = run.stage_dir("tokenizer") / "checkpoints"
-    found = newest_valid(folder, say=run.say, best=True)
+    # what the world stage needs of it: a finite model of this run's tokenizer config and data (how it
+    # was trained is its own stage's business: a tokenizer brought from another run folder is fine)
+    found = newest_valid(folder, say=run.say, best=True, check=checker(
+        "tokenizer", model=shapes(meta_model(run.cfg, "tokenizer").state_dict()), keys=EVAL_KEYS,
+        belongs=belongs(run, "tokenizer", sections=("tokenizer",))))
     if found is None:
         raise WMError(f"the world stage needs a trained tokenizer but {folder} holds no checkpoint; "
                       "run the tokenizer stage first (train.stages)")
@@ -861,16 +906,23 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
 
     # resume: every rank loads the same file (the run folder is on a shared filesystem)
     step, best, stale, last_val = 0, None, 0, {}
-    # rank 0 picks the newest valid checkpoint (naming any it skips); none valid stops every rank
+    params = [p for g in opt.param_groups for p in g["params"]]
+    pname = {id(p): n for n, p in model.named_parameters()}
+    names = {i: pname.get(id(p), "?") for i, p in enumerate(params)}  # optimizer index -> parameter
+    check = checker(stage.name, model=shapes(model.state_dict()), optimizer=[tuple(p.shape) for p in params],
+                    belongs=belongs(run, stage.name, getattr(stage, "tok_sha", None)), names=names)
+    # rank 0 picks the newest checkpoint that is intact, this run's, of this model and finite
+    # (naming any it skips); none valid stops every rank
     found, failure = None, None
     if ckpt:
         try:
-            found = newest_valid(ckpt.folder, say=run.say)
-        except CheckpointError as e:
+            found = newest_valid(ckpt.folder, say=run.say, check=check)
+        except WMError as e:
             failure = str(e)
     path, failure = D.broadcast_object((str(found[0]) if found else None, failure), d)
     if failure:
-        raise CheckpointError(failure)
+        raise WMError(failure)
+    resumed = path
     if path:
         st = found[1] if found else load_checked(path)
         model.load_state_dict(st["model"])
@@ -894,8 +946,23 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
     ddp = wrap_ddp(model, cfg, device, d)
     fwd = compiled(ddp, cfg, stage.inductor_options())
 
+    def last_good() -> str:
+        """The newest checkpoint known complete and finite: the last one saved, else the one resumed from."""
+        if ckpt:
+            ckpt.close()  # first: the save in flight is part of what is on disk
+        good = (ckpt.last_path or resumed) if ckpt else "on rank 0"
+        return f"The last good checkpoint is {good}" if good else "No checkpoint was saved"
+
     def save(metrics: Optional[dict] = None) -> None:
-        rng = D.gather_objects(rng_state(), d)  # every rank reaches this collective
+        rng = D.gather_objects(rng_state(), d)  # every rank reaches these collectives
+        # a state with NaN or inf is never saved nor called good: one reduction on the device
+        ok = all_finite([*model.state_dict().values(), *(t for v in opt.state.values() for t in v.values()
+                                                           if torch.is_tensor(t))]).float()
+        D.all_reduce_(ok, d, op="min")
+        if not ok:
+            bad = first_nonfinite({"model": model.state_dict(), "optimizer": opt.state_dict()}, names=names)
+            raise WMError(f"{stage.name}: the state at step {step} holds non-finite values (first: {bad}); it was "
+                          f"not saved. {last_good()}; lower {stage.name}_stage.lr, check the data, or try train.amp=fp32")
         if ckpt is None:
             return
         state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": scaler.state_dict(),
@@ -940,12 +1007,8 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
             log.scalars(j, {"train/nonfinite_steps": nonfinite}, kind=f"{stage.name}/skip")
             run.say(f"{stage.name} step {j}: non-finite loss or gradient, step skipped ({nonfinite} in a row)")
             if nonfinite >= cfg.train.max_nonfinite:
-                if ckpt:
-                    ckpt.close()  # first: the save in flight is part of what is on disk
-                last = ckpt.latest() if ckpt else None
                 raise WMError(f"{stage.name}: {nonfinite} non-finite steps in a row at step {j}; stopped. "
-                              f"The last good checkpoint is {last or 'on rank 0'}; lower "
-                              f"{stage.name}_stage.lr, check the data, or try train.amp=fp32")
+                              f"{last_good()}; lower {stage.name}_stage.lr, check the data, or try train.amp=fp32")
 
         # ---- logging
         if log_now:
