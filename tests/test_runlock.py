@@ -1,21 +1,69 @@
-"""The run folder's lock: a lock file that cannot be written is one line and is not left behind, and
-the lock belongs to the trainer alone, so a trainer killed with kill -9 can be restarted at once even
-while its DataLoader workers are still alive."""
+"""The run folder's lock and the disk it is on: a full disk is found before anything is written (one
+line naming the folder, the space needed and free; no lock file left behind), and the lock belongs
+to the trainer alone, so a trainer killed with kill -9 can be restarted at once even while its
+DataLoader workers are still alive."""
 
 import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections import namedtuple
 from pathlib import Path
 
 import pytest
 
+import wm.train as T
 from wm import runlock
 from wm.errors import WMError
 
+from test_reliability import cdir, stop_after  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
+Usage = namedtuple("Usage", "total used free")
+
+pytestmark = pytest.mark.usefixtures("restore_signals", "one_thread")
+
+
+def full_disk(monkeypatch, free: int = 0) -> None:
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(1 << 40, (1 << 40) - free, free))
+
+
+def test_a_full_disk_at_start_is_one_line_and_leaves_nothing(tiny, monkeypatch):
+    full_disk(monkeypatch)
+    with pytest.raises(WMError) as e:
+        T.main(tiny.args())
+    msg = str(e.value)
+    rd = tiny.run_dir()
+    assert "\n" not in msg and f"not enough space for {rd}" in msg and "needs about" in msg and "has 0 KiB free" in msg, msg
+    assert not rd.exists()
+
+
+def test_a_full_disk_at_resume_is_one_line_and_changes_nothing(tiny, monkeypatch):
+    args = tiny.args(tokenizer_stage__max_steps=4, train__ckpt_every=1)
+    stop_after(monkeypatch, 2)
+    assert T.main(args) == 0
+    monkeypatch.undo()
+    T._STOP.update(flag=False, count=0)
+    before = {p: p.read_bytes() for p in tiny.run_dir().rglob("*") if p.is_file()}
+    full_disk(monkeypatch, free=100 << 10)
+    with pytest.raises(WMError) as e:
+        T.main(args)
+    msg = str(e.value)
+    assert "\n" not in msg and "needs about" in msg and "has 100 KiB free" in msg, msg
+    assert {p: p.read_bytes() for p in tiny.run_dir().rglob("*") if p.is_file()} == before
+
+
+def test_the_space_asked_for_covers_the_checkpoint_written(tiny):
+    from wm.ckpt_checks import checkpoint_bytes, meta_model
+
+    assert T.main(tiny.args(tokenizer_stage__max_steps=1)) == 0
+    size = (cdir(tiny.run_dir()) / "step_000000001.pt").stat().st_size
+    cfg = T.load_config(None, [a for a in tiny.args() if a != "--set"])
+    need = checkpoint_bytes(meta_model(cfg, "tokenizer"))
+    assert size <= need <= size + (2 << 20)
 
 
 def test_a_failing_lock_write_is_one_line_and_leaves_no_lock_file(tmp_path, monkeypatch):

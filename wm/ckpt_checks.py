@@ -152,3 +152,9 @@ def own_model_problem(st: dict, stage: str) -> Optional[str]:
         return f"holds a config this wm refuses ({e})"
     return _model_problem(st["model"], shapes(meta_model(cfg, stage).state_dict()))
 
+
+def checkpoint_bytes(model: torch.nn.Module) -> int:
+    """About the size of a checkpoint of `model`: its state, AdamW's two moments of every trained
+    parameter, and 1 MiB for the rest (RNG states, config, the zip's records)."""
+    state = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return state + 2 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) + (1 << 20)

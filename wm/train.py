@@ -49,8 +49,8 @@ from wm.config import (Config, DataConfig, StageConfig, from_dict, load as load_
                        save as save_config, stage_batch, to_dict)
 from wm.data import (CodeWindows, OccWindows, ResumableSampler, check_against_config, ignore_stop_signals, make_loader,
                      resolve_root, start_workers)
-from wm.atomic import write_bytes
-from wm.ckpt_checks import EVAL_KEYS, all_finite, checker, first_nonfinite, meta_model, shapes
+from wm.atomic import require_space, write_bytes
+from wm.ckpt_checks import EVAL_KEYS, all_finite, checker, checkpoint_bytes, first_nonfinite, meta_model, shapes
 from wm.datastats import DYNAMIC_CLASSES, sample_counts
 from wm.errors import ConfigError, DataError, WMError, first_line
 from wm.logs import Logger, eta
@@ -198,6 +198,10 @@ class Run:
         """Rank 0: take the folder's lock (before anything is written), then resume the same run,
         refuse a different one, or move it aside (--fresh); write config.json."""
         say = self.say
+        todo = [s for s in self.cfg.train.stages if not (self.dir / s / "done.json").is_file()]
+        if todo:  # a full disk is said before anything is written, not at the first save
+            need, stage = max((checkpoint_bytes(meta_model(self.cfg, s)), s) for s in todo)
+            require_space(self.dir, need + (1 << 20), f"the run folder with a {stage} checkpoint")
         runlock.acquire(self.dir, say)
         self.locked = True
         try:
@@ -911,11 +915,12 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
     names = {i: pname.get(id(p), "?") for i, p in enumerate(params)}  # optimizer index -> parameter
     check = checker(stage.name, model=shapes(model.state_dict()), optimizer=[tuple(p.shape) for p in params],
                     belongs=belongs(run, stage.name, getattr(stage, "tok_sha", None)), names=names)
-    # rank 0 picks the newest checkpoint that is intact, this run's, of this model and finite
-    # (naming any it skips); none valid stops every rank
+    # rank 0 checks the disk has room for a save, then picks the newest checkpoint that is intact,
+    # this run's, of this model and finite (naming any it skips); a failure stops every rank
     found, failure = None, None
     if ckpt:
         try:
+            require_space(ckpt.folder, checkpoint_bytes(model), f"a {stage.name} checkpoint")
             found = newest_valid(ckpt.folder, say=run.say, check=check)
         except WMError as e:
             failure = str(e)
