@@ -874,8 +874,19 @@ def stage_parts(stage, cfg: Config, d: D.Dist, device: torch.device, dtype) -> S
     loader = make_loader(stage.train_ds, sampler, cfg.data, drop_last=True, batch_size=batch)
     per_rank_batches = batches_per_rank(stage.name, len(stage.train_ds), d.world_size, batch, s.grad_accum)
     steps_per_epoch = per_rank_batches // s.grad_accum
-    return StageParts(model, batch, opt, scaler, sampler, loader, steps_per_epoch,
-                      s.max_steps or s.epochs * steps_per_epoch)
+    return StageParts(model, batch, opt, scaler, sampler, loader, steps_per_epoch, stage_total(s, 0, sampler, batch))
+
+
+def stage_total(s: StageConfig, step: int, sampler: ResumableSampler, batch: int) -> int:
+    """The stage's last step: max_steps, else the end of epoch `epochs` from the sampler's position
+    (the rest of its epoch at this world size, then whole epochs, in micro-batches of `batch` a rank,
+    grad_accum to a step). The same from every resume point at one world size; after a change of
+    world size the stage still ends after `epochs` passes over the data."""
+    if s.max_steps:
+        return s.max_steps
+    per_epoch = sampler.n // sampler.world_size // batch
+    left = (sampler.n - sampler.consumed) // sampler.world_size // batch + (s.epochs - sampler.epoch - 1) * per_epoch
+    return step + max(0, left) // s.grad_accum
 
 
 def batch_words(cfg: Config, stage: str, world_size: int) -> str:
@@ -904,7 +915,6 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
     model, batch, opt, scaler, sampler, loader = (parts.model, parts.batch, parts.opt, parts.scaler,
                                                   parts.sampler, parts.loader)
     steps_per_epoch, total = parts.steps_per_epoch, parts.total
-    eval_every = total if s.eval_every < 0 else (s.eval_every or steps_per_epoch)  # -1: only at the end
     ckpt = Checkpointer(sdir / "checkpoints", cfg.train.keep_last, s.best_metric, s.best_mode,
                         cfg.train.async_ckpt) if d.is_main else None
 
@@ -935,18 +945,23 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
         scaler.load_state_dict(st["scaler"])
         sampler.load_state_dict(st["sampler"])
         step, best, stale, last_val = st["step"], st.get("best"), st.get("stale", 0), st.get("metrics", {})
+        total = stage_total(s, step, sampler, batch)
         rngs = st["rng"]
+        run.say(f"{stage.name}: resumed from {path} at step {step}/{total} (epoch {sampler.epoch})")
         if len(rngs) == d.world_size:
             set_rng_state(rngs[d.rank])
-        else:
+        else:  # the data order is global; the RNG streams are per rank and cannot be split or merged
             seed_all(cfg.run.seed * 1000 + d.rank + step)
-            run.say(f"note: resumed on {d.world_size} ranks from {len(rngs)}; RNG streams re-seeded")
-        run.say(f"{stage.name}: resumed from {path} at step {step}/{total} (epoch {sampler.epoch})")
-    else:
+            g = batch * s.grad_accum
+            run.say(f"note: resumed on {d.world_size} rank{'s' if d.world_size != 1 else ''} from {len(rngs)}: a "
+                    f"step now takes {g * d.world_size} samples (it took {g * len(rngs)}); the data order goes on "
+                    f"at sample {sampler.consumed} of epoch {sampler.epoch}; RNG streams re-seeded")
+    run.say(f"{stage.name}: {count_parameters(model) / 1e6:.2f} M parameters, {len(stage.train_ds)} "
+            f"training samples, {total} steps of {batch * d.world_size * s.grad_accum} samples "
+            f"({batch_words(cfg, stage.name, d.world_size)})")
+    if not path:
         seed_all(cfg.run.seed * 1000 + d.rank)
-        run.say(f"{stage.name}: {count_parameters(model) / 1e6:.2f} M parameters, {len(stage.train_ds)} "
-                f"training samples, {total} steps of {batch * d.world_size * s.grad_accum} samples "
-                f"({batch_words(cfg, stage.name, d.world_size)})")
+    eval_every = total if s.eval_every < 0 else (s.eval_every or steps_per_epoch)  # -1: only at the end
 
     ddp = wrap_ddp(model, cfg, device, d)
     fwd = compiled(ddp, cfg, stage.inductor_options())
