@@ -447,3 +447,24 @@ def test_10_resume_with_a_lower_lr_through_allow_changed_is_recorded(tiny, monke
     hist = json.loads((tiny.run_dir() / "config.json").read_text())["meta"]["history"]
     assert hist[-1]["changed"] == {"tokenizer_stage.lr": [T.Config().tokenizer_stage.lr, 1e-4]}
     assert hist[-1]["step"] == {"tokenizer": 2}
+
+
+# ---------------------------------------------------------------------------------------------
+# 11. a damaged token cache is rebuilt, and says so
+
+
+def test_11_a_damaged_token_cache_is_named_and_rebuilt(tiny, capsys):
+    args = tiny.args(train__stages="tokenizer,world", tokenizer_stage__max_steps=2, world_stage__max_steps=1)
+    assert T.main(args) == 0
+    codes = next((tiny.run_dir() / "token_cache").glob("*/codes.npy"))
+    good = codes.read_bytes()
+    b = bytearray(good)
+    b[-1] ^= 1
+    codes.write_bytes(bytes(b))
+    capsys.readouterr()
+    assert T.main(args) == 0
+    out = capsys.readouterr().out
+    assert f"note: the token cache {codes} is damaged (its sha256 is " in out and "meta.json records" in out, out
+    assert "encoding the training frames again" in out, out
+    assert codes.read_bytes() == good
+

@@ -615,7 +615,10 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
     key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
     folder = run.dir / "token_cache" / key
     path = folder / "codes.npy"
-    if d.is_main and not _token_cache_ok(folder, tok_sha, run.fingerprint, use_mask):  # the run folder is shared by all ranks
+    why = _token_cache_problem(folder, tok_sha, run.fingerprint, use_mask) if d.is_main else None
+    if why and not why.startswith("missing"):
+        run.say(f"note: the token cache {why}; encoding the training frames again")
+    if why:  # rank 0 builds: the run folder is shared by all ranks
         frames = OccWindows(run.root, cfg.data.train_split, frames_config(cfg.data, use_mask=use_mask))
         h, w = tok.token_shape
         for stale in folder.parent.glob(".*.tmp-*") if folder.parent.is_dir() else []:
@@ -670,16 +673,22 @@ def write_token_cache(folder: Path, codes: np.ndarray, meta: dict, cells: np.nda
                       f"(the tokenizer checkpoints are intact): free space under {folder.parent} and rerun") from None
 
 
-def _token_cache_ok(folder: Path, tok_sha: str, fingerprint: str, use_mask: bool = False) -> bool:
-    """A complete cache of this tokenizer and data whose codes (and cell mask) match their recorded sha256."""
+def _token_cache_problem(folder: Path, tok_sha: str, fingerprint: str, use_mask: bool = False) -> Optional[str]:
+    """None for a complete cache of this tokenizer and data whose codes (and cell mask) match their
+    recorded sha256; else why not: "missing", or which file is damaged and how."""
+    if not (folder / "meta.json").exists():
+        return "missing"
     m = _read_json_quiet(folder / "meta.json")
     if not m or m.get("tokenizer_sha256") != tok_sha or m.get("data_fingerprint") != fingerprint:
-        return False
-    try:
-        return sha256_file(folder / "codes.npy") == m.get("codes_sha256") and (
-            not use_mask or sha256_file(folder / CELL_MASK) == m.get("cell_mask_sha256"))
-    except OSError:
-        return False
+        return f"{folder / 'meta.json'} is damaged (unreadable, or naming another tokenizer or data)"
+    for name, key in (("codes.npy", "codes_sha256"),) + (((CELL_MASK, "cell_mask_sha256"),) if use_mask else ()):
+        try:
+            got = sha256_file(folder / name)
+        except OSError as e:
+            return f"{folder / name} cannot be read ({e.strerror or first_line(e)})"
+        if got != m.get(key):
+            return f"{folder / name} is damaged (its sha256 is {got[:12]}..., meta.json records {str(m.get(key))[:12]}...)"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
