@@ -49,7 +49,7 @@ from wm.config import (Config, DataConfig, StageConfig, from_dict, load as load_
                        save as save_config, stage_batch, to_dict)
 from wm.data import (CodeWindows, OccWindows, ResumableSampler, check_against_config, ignore_stop_signals, make_loader,
                      resolve_root, start_workers)
-from wm.atomic import require_space, write_bytes
+from wm.atomic import fsync_dir, require_space, write_bytes
 from wm.ckpt_checks import EVAL_KEYS, all_finite, checker, checkpoint_bytes, first_nonfinite, meta_model, shapes
 from wm.datastats import DYNAMIC_CLASSES, sample_counts
 from wm.errors import ConfigError, DataError, WMError, first_line
@@ -296,7 +296,30 @@ class Run:
             history.append({"time": now, "step": steps, "changed": changed})
             self.say("resuming with changed hyperparameters (recorded in config.json's meta.history): " +
                      ", ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in changed.items()))
+            for stage in STAGE_SECTIONS:
+                for k in (f"{stage}_stage.max_steps", f"{stage}_stage.epochs"):
+                    if k in changed:
+                        self._reopen(stage, k, changed[k][1])
+                        break
         return history
+
+    def _reopen(self, stage: str, key: str, new: int) -> None:
+        """A finished stage given more steps (or epochs) goes on from its last checkpoint: its
+        done.json goes before config.json records the change, so a kill between the two leaves a
+        stage that the rerun resumes at its last step and marks finished again."""
+        done = self.dir / stage / "done.json"
+        d = _read_json_quiet(done)
+        if d is None:
+            return
+        if d.get("reason", "finished") != "finished":
+            self.say(f"note: the {stage} stage ended at step {d.get('step')} ({d.get('reason')}); it stays finished")
+            return
+        if key.endswith("max_steps") and 0 < new <= d.get("step", 0):
+            return
+        os.unlink(done)
+        fsync_dir(done.parent)
+        self.say(f"{stage} stage: finished at step {d.get('step')}; with {key}={new} it goes on from its "
+                 "last checkpoint")
 
     def stage_dir(self, stage: str) -> Path:
         return self.dir / stage
@@ -500,6 +523,7 @@ class WorldStage:
         self.run, self.cfg, self.scfg = run, cfg, cfg.world_stage
         tok_ckpt, st = tokenizer_checkpoint(run)
         self.tok_path, self.tok_sha = tok_ckpt, sha256_file(tok_ckpt)
+        retire_stale_world(run, tok_ckpt, self.tok_sha)
         self.tokenizer = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
         self.tokenizer.load_state_dict(st["model"])
         self.tokenizer.eval().requires_grad_(False).to(device)
@@ -595,6 +619,32 @@ def tokenizer_checkpoint(run: Run) -> tuple[Path, dict]:
         raise WMError(f"the world stage needs a trained tokenizer but {folder} holds no checkpoint; "
                       "run the tokenizer stage first (train.stages)")
     return found
+
+
+def retire_stale_world(run: Run, tok: Path, sha: str) -> None:
+    """The world stage belongs to the tokenizer it trained on. When the tokenizer stage went on and
+    its best checkpoint changed, the world stage's folder is moved aside (said) and the stage
+    starts over; when the best was skipped as damaged, the run stops instead (restore it)."""
+    error, folder = None, run.stage_dir("world")
+    last = latest_checkpoint(folder / "checkpoints") if run.d.is_main else None
+    try:  # one small field: the file itself is checked when it is loaded
+        old = torch.load(last, map_location="cpu", weights_only=True, mmap=True)["tokenizer"]["sha256"] if last else sha
+    except Exception:
+        old = sha
+    if old != sha and tok.name != "best.pt" and (tok.parent / "best.pt").exists():
+        error = (f"the world stage was trained on tokenizer {old[:12]}, but the tokenizer's best.pt was "
+                 f"skipped (above) for {tok.name} ({sha[:12]}); restore best.pt, or start over with --fresh")
+    elif old != sha:
+        aside, n = folder.with_name(f"world.{time.strftime('%Y%m%d-%H%M%S')}"), 1
+        while aside.exists():
+            aside, n = folder.with_name(f"world.{time.strftime('%Y%m%d-%H%M%S')}-{n}"), n + 1
+        os.replace(folder, aside)
+        fsync_dir(folder.parent)
+        run.say(f"world stage: its checkpoints were trained on tokenizer {old[:12]}, the tokenizer's best is now "
+                f"{sha[:12]}; moved them to {aside}: the world stage starts over")
+    failure = D.broadcast_object(error, run.d)
+    if failure:
+        raise WMError(failure)
 
 
 CELL_MASK = "cell_mask.npy"
