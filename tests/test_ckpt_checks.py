@@ -229,3 +229,18 @@ def test_eval_and_export_skip_a_foreign_best_for_the_newest_good_step(trained_ti
     t = load_trained(run)
     assert f"skipped {cdir(run, 'world') / ck.BEST}: it is not a wm training checkpoint" in capsys.readouterr().out
     assert t.ckpt.name.startswith("step_")
+
+
+def test_a_named_checkpoint_holding_nan_is_refused_by_eval_and_export(trained_tiny, tmp_path):
+    from wm.evaluate import load_stage
+    from wm.export.onnx import load_trained
+
+    st = ck.load_checked(cdir(trained_tiny.run_dir(), "world") / ck.BEST)
+    k = next(iter(st["model"]))
+    st["model"][k] = torch.full_like(st["model"][k], float("inf"))
+    torch.save(st, tmp_path / "x.pt")
+    for load in (lambda: load_stage(tmp_path / "x.pt", "world"), lambda: load_trained(trained_tiny.run_dir(), tmp_path / "x.pt")):
+        with pytest.raises(WMError) as e:
+            load()
+        msg = str(e.value)
+        assert "\n" not in msg and str(tmp_path / "x.pt") in msg and f"holds non-finite values (first: model.{k})" in msg, msg

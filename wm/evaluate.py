@@ -50,7 +50,7 @@ import wm
 from wm import distributed as D
 from wm.atomic import write_bytes
 from wm.checkpoint import load_checked as load_ckpt, newest_valid, sha256_file
-from wm.ckpt_checks import EVAL_KEYS, checker
+from wm.ckpt_checks import EVAL_KEYS, checker, first_nonfinite
 from wm.config import Config, DataConfig, to_dict
 from wm.data import OccWindows, check_against_config, ignore_stop_signals, resolve_root, start_workers
 from wm.errors import DataError, WMError
@@ -353,6 +353,9 @@ def load_stage(path: Path, stage: Optional[str] = None, what: str = "--ckpt", st
     if stage is not None and got != stage:
         raise WMError(f"{path} is a {STAGE_WORDS[got]} checkpoint, but a {STAGE_WORDS[stage]} checkpoint "
                       f"is needed here ({what}); {stage} checkpoints live in runs/<name>/{stage}/checkpoints/")
+    bad = first_nonfinite(st, ("model",))
+    if bad:
+        raise WMError(f"{path} holds non-finite values (first: {bad}); evaluate a checkpoint saved before them")
     return st
 
 
