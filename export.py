@@ -47,6 +47,22 @@ def peak_memory(peaks) -> dict:
 
 
 def main(argv=None) -> int:
+    """export(), ended by SIGTERM/SIGINT with one line: where it was, what it had finished."""
+    from wm.stop_signals import stop_with_one_line
+
+    progress = {"phase": "loading the checkpoint", "done": [], "out": None}
+
+    def stopped(sig: str) -> str:
+        done = progress["done"]
+        fin = f"finished: {', '.join(done)} in {progress['out']}" if done else "nothing was finished"
+        return f"export got {sig} during {progress['phase']}; {fin}; no partial file was kept, and a rerun starts over"
+
+    with stop_with_one_line(stopped):
+        return export(argv, progress)
+
+
+def export(argv, progress: dict) -> int:
+    """The export; `progress` says the phase it is in and what it has finished (for main's line)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", help="run folder (default: the newest world-model run under --runs)")
     ap.add_argument("--runs", default="runs", help="where to look for runs")
@@ -99,6 +115,7 @@ def main(argv=None) -> int:
     except OSError as e:
         raise WMError(f"cannot write the export folder {out} ({e}); choose another with --out") from None
     print(f"exporting {t.ckpt} (tokenizer {t.tokenizer_ckpt}) to {out}")
+    progress["out"] = out
     report = {"checkpoint": str(t.ckpt), "tokenizer_checkpoint": str(t.tokenizer_ckpt),
               "data_fingerprint": t.data_fingerprint, "graphs": {}, "seconds": {}}
     secs = report["seconds"]
@@ -112,6 +129,7 @@ def main(argv=None) -> int:
     for i, (name, module) in enumerate(mods.items()):
         path = out / f"{name}.onnx"
         print(f"  exporting {name} ({i + 1}/{len(mods)}) ...", flush=True)
+        progress["phase"] = f"the export of {name}"
         # example batch 2: torch.export specialises a dimension whose example size is 1
         s, programs[name] = export_graph(module, ex[2][name], OUTPUTS[name], path,
                                          dynamic_shapes(t, name, ex[2][name], a.max_batch))
@@ -121,9 +139,12 @@ def main(argv=None) -> int:
                         for k, v in ex[1][name].items()},
              "vs_pytorch": {f"batch{b}": compare(module, path, ex[b][name]) for b in (1, 2)}}
         peaks.mark(f"export_{name}")
+        progress["done"].append(path.name)
         if a.fp16:
+            progress["phase"] = f"the FP16 copy of {name}"
             r["fp16"] = to_fp16(path, out / f"{name}.fp16.onnx", module, ex)
             peaks.mark(f"fp16_{name}")
+            progress["done"].append(f"{name}.fp16.onnx")
         report["graphs"][name] = r
         line = "  ".join(f"batch {b}: agree {v['class_agreement']:.4f}" +
                          (f" max|diff| {v['max_abs_diff']:.2e}" if v["max_abs_diff"] is not None else "")
@@ -137,15 +158,27 @@ def main(argv=None) -> int:
     if a.int8:
         from wm.export.int8 import run_int8
 
+        progress["phase"] = "INT8 calibration"
+        after = {"int8_histograms": (None, "INT8 thresholds"),
+                 "int8_thresholds": (None, "INT8 quantization (the Q/DQ graphs)"),
+                 "int8_qdq": ("the INT8 Q/DQ graphs and calibration caches", "the INT8 accuracy report"),
+                 "int8_report": ("report.json", "the rest of the export")}
+
+        def mark(phase: str) -> None:
+            peaks.mark(phase)
+            done, progress["phase"] = after.get(phase, (None, progress["phase"]))
+            if done:
+                progress["done"].append(done)
+
         full = run_int8(t, out, a.calib_windows, a.eval_windows, batch=a.batch, trt_version=a.trt_version,
-                        engine=a.engine, programs=programs, parity_windows=a.parity_windows,
-                        mark=peaks.mark)
+                        engine=a.engine, programs=programs, parity_windows=a.parity_windows, mark=mark)
         report["int8"] = full["int8"]
         secs.update({f"int8_{k}": v for k, v in full["int8"]["seconds"].items() if k != "total"})
     if not a.no_trt:
         from wm.export.trt import deploy
 
         t0 = time.perf_counter()
+        progress["phase"] = "the TensorRT step"
         # the most deployable graphs written: Q/DQ INT8, else FP16, else FP32
         kind = ".int8" if a.int8 else ".fp16" if a.fp16 else ""
         files = {name: out / f"{name}{kind}.onnx" for name in report["graphs"]}

@@ -393,3 +393,28 @@ def test_compiled_ddp_runs_the_one_graph_a_single_gpu_runs():
         assert o["tangents"] == [], o["tangents"][:5]
         for k, v in o["eager"].items():
             assert torch.allclose(torch.tensor(o["compiled"][k]), torch.tensor(v), atol=1e-5, rtol=1e-4), k
+
+
+@pytest.mark.slow
+def test_resume_on_one_rank_from_two_says_what_changed_and_still_ends_after_the_epochs(tiny):
+    from conftest import Proc
+
+    over = dict(tokenizer_stage__max_steps=0, tokenizer_stage__epochs=2, train__timeout_s=60)
+    p = Proc(torchrun("--nproc_per_node", "2", "--master_port", str(free_port())) + tiny.args(**over))
+    assert p.wait_for(r"^tokenizer step 2/12 ", 120), p.output  # 24 frames, 2 ranks x 2: 6 steps an epoch
+    os.kill(worker_of(p.pid, 1), signal.SIGTERM)
+    assert p.finish(120) == 0, p.output
+    st = final(tiny.run_dir(), "tokenizer")
+    step, consumed = st["step"], st["sampler"]["consumed"]
+    assert st["sampler"]["epoch"] == 0 and consumed == 4 * step and len(st["rng"]) == 2
+
+    one = tiny.spawn(**over)
+    assert one.finish(240) == 0, one.output
+    # on one rank a step takes 2 samples: the rest of epoch 0, then all of epoch 1
+    total = step + (24 - consumed) // 2 + 12
+    assert f"at step {step}/{total} (epoch 0)" in one.output, one.output
+    assert (f"note: resumed on 1 rank from 2: a step now takes 2 samples (it took 4); the data order goes "
+            f"on at sample {consumed} of epoch 0") in one.output, one.output
+    assert f"{total} steps of 2 samples (batch 2 from tokenizer_stage.batch_size x grad_accum 1 x 1 rank)" in one.output
+    end = final(tiny.run_dir(), "tokenizer")
+    assert end["step"] == total and (end["sampler"]["epoch"], end["sampler"]["consumed"]) == (2, 0)

@@ -288,3 +288,29 @@ def test_phase_peaks_name_the_phase_that_used_the_memory():
     assert d["phase_peak_gib"]["big"] >= 1.0 and d["host_peak_gib"] == d["phase_peak_gib"]["big"]
     if d["method"].startswith("VmHWM"):
         assert d["phase_peak_gib"]["small"] < d["phase_peak_gib"]["big"] - 0.5
+
+
+@pytest.mark.slow
+def test_sigterm_during_int8_ends_with_one_line_saying_what_was_finished(trained, tmp_path):
+    """SIGTERM to the process group (a scheduler's stop) during INT8 calibration: one line naming the
+    graphs finished and that a rerun starts over, the status of a SIGTERM, no partial file."""
+    import os
+    import signal
+
+    from conftest import Proc
+
+    out = tmp_path / "o"
+    p = Proc([sys.executable, "export.py", "--run", str(trained.run_dir()), "--out", str(out), "--int8",
+              "--calib-windows", "8", "--eval-windows", "4", "--no-trt"])
+    try:
+        assert p.wait_for(r"^calibration: ", 300), p.output
+        os.killpg(p.pid, signal.SIGTERM)
+        rc = p.finish(120)
+    finally:
+        p.kill_group()
+    lines = p.output.strip().splitlines()
+    assert rc == 128 + signal.SIGTERM and "Traceback" not in p.output, p.output[-3000:]
+    assert lines[-1].startswith("stopped: export got SIGTERM during INT8 calibration"), lines[-1]
+    assert ("finished: tokenizer_encode.onnx, world_step.onnx, tokenizer_decode.onnx" in lines[-1]
+            and "a rerun starts over" in lines[-1]), lines[-1]
+    assert sorted(f.name for f in out.iterdir()) == ["tokenizer_decode.onnx", "tokenizer_encode.onnx", "world_step.onnx"]

@@ -447,3 +447,64 @@ def test_10_resume_with_a_lower_lr_through_allow_changed_is_recorded(tiny, monke
     hist = json.loads((tiny.run_dir() / "config.json").read_text())["meta"]["history"]
     assert hist[-1]["changed"] == {"tokenizer_stage.lr": [T.Config().tokenizer_stage.lr, 1e-4]}
     assert hist[-1]["step"] == {"tokenizer": 2}
+
+
+# ---------------------------------------------------------------------------------------------
+# 11. a damaged token cache is rebuilt, and says so
+
+
+def test_11_a_damaged_token_cache_is_named_and_rebuilt(tiny, capsys):
+    args = tiny.args(train__stages="tokenizer,world", tokenizer_stage__max_steps=2, world_stage__max_steps=1)
+    assert T.main(args) == 0
+    codes = next((tiny.run_dir() / "token_cache").glob("*/codes.npy"))
+    good = codes.read_bytes()
+    b = bytearray(good)
+    b[-1] ^= 1
+    codes.write_bytes(bytes(b))
+    capsys.readouterr()
+    assert T.main(args) == 0
+    out = capsys.readouterr().out
+    assert f"note: the token cache {codes} is damaged (its sha256 is " in out and "meta.json records" in out, out
+    assert "encoding the training frames again" in out, out
+    assert codes.read_bytes() == good
+
+
+# ---------------------------------------------------------------------------------------------
+# 12. a finished stage given more steps through --allow-changed trains them
+
+
+def test_12_more_steps_for_a_finished_stage_train_them(tiny, capsys):
+    def args(tok, world, *flags):
+        return tiny.args(train__stages="tokenizer,world", tokenizer_stage__max_steps=tok,
+                         world_stage__max_steps=world, tokenizer_stage__eval_every=1) + list(flags)
+
+    assert T.main(args(2, 2)) == 0
+    tok = tiny.run_dir() / "tokenizer"
+    with pytest.raises(WMError) as e:
+        T.main(args(4, 2))
+    assert "--allow-changed tokenizer_stage.max_steps;" in str(e.value), str(e.value)
+    capsys.readouterr()
+    # the world stage alone: it goes on from its step 2 on the same tokenizer
+    assert T.main(args(2, 3, "--allow-changed", "world_stage.max_steps")) == 0
+    out = capsys.readouterr().out
+    assert "world stage: finished at step 2; with world_stage.max_steps=3 it goes on" in out, out
+    assert "tokenizer stage already finished at step 2" in out and "world: resumed from" in out, out
+    assert "at step 2/3" in out and state_of(tiny.run_dir(), "world")["step"] == 3
+    # the tokenizer: it goes on; the world stage belongs to the tokenizer it trained on, so a new
+    # tokenizer best moves it aside and it starts over
+    old_sha = ck.sha256_file(tok / "checkpoints" / "best.pt")
+    assert T.main(args(4, 3, "--allow-changed", "tokenizer_stage.max_steps")) == 0
+    out = capsys.readouterr().out
+    assert "tokenizer stage: finished at step 2; with tokenizer_stage.max_steps=4 it goes on" in out, out
+    assert "tokenizer: resumed from" in out and "at step 2/4" in out, out
+    assert json.loads((tok / "done.json").read_text())["step"] == 4 and state_of(tiny.run_dir())["step"] == 4
+    new_sha = ck.sha256_file(tok / "checkpoints" / "best.pt")
+    assert new_sha != old_sha  # steps 3 and 4 validate better than step 2
+    aside = sorted(tiny.run_dir().glob("world.*"))
+    assert len(aside) == 1 and f"moved them to {aside[0]}: the world stage starts over" in out, out
+    assert ck.load(ck.latest_checkpoint(cdir(aside[0].parent, aside[0].name)))["tokenizer"]["sha256"] == old_sha
+    w = state_of(tiny.run_dir(), "world")
+    assert w["tokenizer"]["sha256"] == new_sha and w["step"] == 3 and "world: resumed from" not in out
+    assert T.main(args(4, 3)) == 0  # the plain command now finds both stages finished
+    out = capsys.readouterr().out
+    assert "tokenizer stage already finished at step 4" in out and "world stage already finished at step 3" in out

@@ -832,7 +832,8 @@ def ensure_tokenizer_checkpoint(run: T.Run, d: D.Dist) -> None:
         torch.manual_seed(cfg.run.seed)
         tok = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
         with Checkpointer(folder, async_save=False) as ck:
-            ck.save({"model": tok.state_dict(), "stage": "tokenizer", "config": to_dict(cfg)}, 0)
+            ck.save({"model": tok.state_dict(), "stage": "tokenizer", "config": to_dict(cfg),
+                     "data_fingerprint": run.fingerprint}, 0)
     D.barrier(d)
 
 

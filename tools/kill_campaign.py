@@ -8,7 +8,10 @@ trained on).
 
 The trainer runs in a child that marks each checkpoint save on stdout and widens the instants
 between the renames of a save by a few random milliseconds (the renames themselves are wm's own),
-so a kill can land before, inside or between any of them. A "save" kill waits for a save to begin
+so a kill can land before, inside or between any of them. Children are forked from a fork server
+that has imported torch and wm once (multiprocessing's "forkserver"), so a restart costs a fork, not
+the seconds of an interpreter importing torch: on a loaded 2-core machine those seconds were most
+of a campaign. Every kill line, and every round's comparison, is printed as it happens. A "save" kill waits for a save to begin
 and strikes within its typical length; an "any" kill strikes at a uniform instant of the process's
 life (start-up, data, the token cache, training, validation). After every kill the tool checks
 that each stage folder still has a valid newest checkpoint (wm.checkpoint.newest_valid) and that
@@ -19,13 +22,13 @@ starts in a fresh folder.
 
 import argparse
 import json
+import multiprocessing
 import os
 import queue
 import random
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -34,6 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+os.environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # before torch: the fork server inherits it
 
 import torch  # noqa: E402
 
@@ -51,25 +55,41 @@ SETTINGS = {  # tiny models on 16x16x4 frames; both stages; a save every step, b
     "world_stage.eval_every": "3",
 }
 
-CHILD = r"""
-import os, random, sys, time
-import wm.checkpoint as c
-rnd = random.Random()
-write, replace = c.Checkpointer._write, os.replace
-def marked(self, *a, **kw):
-    print("wm-save-begin", flush=True)
-    write(self, *a, **kw)
-    print("wm-save-end", flush=True)
-def widened(src, dst, *a, **kw):  # a few ms before each rename of a checkpoint file: room to land in
-    if "checkpoints" in str(dst) or str(dst).endswith("done.json"):
-        time.sleep(rnd.uniform(0, 0.02))
-    return replace(src, dst, *a, **kw)
-c.Checkpointer._write = marked
-os.replace = widened
-from wm.errors import run_cli
-from wm.train import main
-run_cli(main)
-"""
+def child_main(argv: list, out) -> None:
+    """A trainer (train.py's main with `argv`) whose stdout and stderr go to the pipe `out`, in its
+    own session; it marks each save and widens the instants between a save's renames."""
+    import random
+
+    import wm.checkpoint as c
+    from wm.errors import run_cli
+    from wm.train import main
+
+    os.setsid()
+    os.dup2(out.fileno(), 1)
+    os.dup2(out.fileno(), 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = sys.stdout
+    rnd = random.Random()
+    write, replace = c.Checkpointer._write, os.replace
+
+    def marked(self, *a, **kw):
+        print("wm-save-begin", flush=True)
+        write(self, *a, **kw)
+        print("wm-save-end", flush=True)
+
+    def widened(src, dst, *a, **kw):  # a few ms before each rename of a checkpoint file: room to land in
+        if "checkpoints" in str(dst) or str(dst).endswith("done.json"):
+            time.sleep(rnd.uniform(0, 0.02))
+        return replace(src, dst, *a, **kw)
+
+    c.Checkpointer._write = marked
+    os.replace = widened
+    sys.argv = ["train.py", *argv]
+    run_cli(lambda: main(argv))
+
+
+FORKS = multiprocessing.get_context("forkserver")
+FORKS.set_forkserver_preload(["torch", "wm.train", "wm.checkpoint"])
 
 KEYS = ("model", "optimizer", "scaler", "sampler", "rng", "step")
 
@@ -85,17 +105,29 @@ def same(a, b) -> bool:
 
 
 class Child:
-    def __init__(self, cmd):
-        self.p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  start_new_session=True,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-        self.q, self.lines = queue.Queue(), []
-        threading.Thread(target=self._read, daemon=True).start()
+    """A trainer forked from the fork server, its output read line by line by a thread."""
 
-    def _read(self):
-        for line in self.p.stdout:
-            self.q.put(line)
+    def __init__(self, argv):
+        r, w = FORKS.Pipe(duplex=False)
+        self.p = FORKS.Process(target=child_main, args=(argv, w), daemon=True)
+        self.p.start()
+        w.close()  # the child holds the write end now: its death ends the stream
+        self.q, self.lines = queue.Queue(), []
+        threading.Thread(target=self._read, args=(r,), daemon=True).start()
+
+    def _read(self, r):
+        with open(r.fileno(), "r", closefd=False) as f:
+            for line in f:
+                self.q.put(line)
+        r.close()
         self.q.put(None)
+
+    def kill(self) -> None:
+        os.kill(self.p.pid, signal.SIGKILL)
+
+    def wait(self) -> int:
+        self.p.join()
+        return self.p.exitcode
 
     def next_line(self, timeout):
         try:
@@ -176,18 +208,23 @@ def main(argv=None) -> int:
         def cmd(out):
             s = dict(SETTINGS, **{"data.root": str(data), "run.out_dir": str(base / out), "run.name": "r",
                                   "tokenizer_stage.max_steps": str(a.steps), "world_stage.max_steps": str(a.steps)})
-            return [sys.executable, "-c", CHILD] + [x for k, v in s.items() for x in ("--set", f"{k}={v}")]
+            return [x for k, v in s.items() for x in ("--set", f"{k}={v}")]
 
-        ref_dir = base / "straight" / "r"
+        warm = FORKS.Process(target=int)  # starts the fork server (torch imported once), outside any timing
+        warm.start()
+        warm.join()
+        ref_dir, life_len = base / "straight" / "r", [8.0]
         if not ref_dir.exists():
-            c = Child(cmd("straight"))
-            rc = c.p.wait()
+            t0, c = time.time(), Child(cmd("straight"))
+            rc = c.wait()
             c.drain()
             if rc != 0:
                 raise WMError(f"the uninterrupted reference run failed (exit {rc}):\n{c.output[-3000:]}")
+            life_len = [time.time() - t0]
+            print(f"reference run: {life_len[0]:.1f} s", flush=True)
         ref = stage_states(ref_dir)
 
-        kills, rounds, save_len, life_len = [], [], [0.05], [8.0]
+        kills, rounds, save_len = [], [], [0.05]
         rnd_no, resumes_checked = 0, 0
         def enough():  # at least --kills, at least half of them during saves
             return len(kills) >= a.kills and 2 * sum(k["during_save"] for k in kills) >= len(kills)
@@ -227,9 +264,9 @@ def main(argv=None) -> int:
                         resumes_checked += 1
                     now = time.time()
                     if (deadline and now >= deadline) or (strike and now >= strike):
-                        c.p.send_signal(signal.SIGKILL)
+                        c.kill()
                         break
-                rc = c.p.wait()
+                rc = c.wait()
                 c.drain()
                 if rc == 0:
                     finished = True
@@ -241,13 +278,17 @@ def main(argv=None) -> int:
                 before = committed_steps(run_dir) if run_dir.exists() else before
                 kills.append({"round": rnd_no, "mode": mode, "after_s": round(time.time() - t0, 3),
                               "during_save": bool(during), "committed": dict(before)})
+                n_save = sum(k["during_save"] for k in kills)
                 print(f"kill {len(kills):>3}: round {rnd_no}, {mode:<4} at {time.time() - t0:5.2f} s, "
-                      f"{'during a save' if during else 'between saves':<13}, committed {before}", flush=True)
+                      f"{'during a save' if during else 'between saves':<13}, committed {before}; so far "
+                      f"{n_save} during saves, every resume at or after its committed step "
+                      f"[{time.time() - t_start:.0f} s]", flush=True)
             bad = compare(ref, stage_states(run_dir))
             rounds.append({"round": rnd_no, "kills": sum(k["round"] == rnd_no for k in kills),
                            "bitwise_equal": not bad, "differs": bad})
-            print(f"round {rnd_no}: {'bitwise equal to the uninterrupted run' if not bad else 'DIFFERS: ' + ', '.join(bad)}",
-                  flush=True)
+            equal = sum(r["bitwise_equal"] for r in rounds)
+            print(f"round {rnd_no}: {'bitwise equal to the uninterrupted run' if not bad else 'DIFFERS: ' + ', '.join(bad)}"
+                  f" (so far {equal} of {len(rounds)} rounds equal) [{time.time() - t_start:.0f} s]", flush=True)
         during = sum(k["during_save"] for k in kills)
         ok = all(r["bitwise_equal"] for r in rounds)
         print(f"\n{len(kills)} kills ({during} during saves, {len(kills) - during} between), {len(rounds)} round(s), "

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from pathlib import Path
+
+from wm.errors import WMError
 
 
 def tmp_path(path: str | os.PathLike) -> Path:
@@ -74,3 +77,23 @@ def write_bytes(path: str | os.PathLike, data: bytes | bytearray | memoryview | 
         raise
     fsync_dir(path.parent)
     return view.nbytes
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
+
+
+def require_space(folder: str | os.PathLike, need: int, what: str) -> None:
+    """Refuse (one line naming the folder, the space needed and the space free) unless the file
+    system that holds `folder` (or its nearest existing parent) has `need` bytes free for this user:
+    a full disk is found before the work whose result could not be saved, not at its first save."""
+    p = Path(folder).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        free = shutil.disk_usage(p).free
+    except OSError:
+        return  # no figure to go by: the writes themselves still fail in one line
+    if free < need:
+        raise WMError(f"not enough space for {folder}: {what} needs about {mib(need)}, its disk has "
+                      f"{mib(free)} free; free space there, or set run.out_dir to another disk")

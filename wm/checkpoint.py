@@ -45,8 +45,10 @@ Why no kill at any instant loses best, latest or a finished stage:
 Integrity: every load checks the file against its record (the .sha256 file of a step file;
 best.json for best.pt; the `latest` pointer for a run written before .sha256 files existed); a file
 with no record anywhere (a checkpoint copied elsewhere) is checked against its zip's own CRC-32 of
-every record. :func:`load_checked` is the one way to load a checkpoint file; :func:`newest_valid`
-finds the newest one that passes in a folder, naming each one it skips. Nothing is ever loaded
+every record. :func:`load_checked` is the one way to load a checkpoint file (a step file must also
+hold the step its name says, and a caller's `check`, wm.ckpt_checks, says whether an intact state
+belongs where it is loaded); :func:`newest_valid` finds the newest one that passes in a folder,
+naming each one it skips with the reason. Nothing is ever loaded
 with anything but ``weights_only=True``, and no message suggests otherwise.
 
 - A failed save leaves no new file under a checkpoint name and no temp file, keeps every previous
@@ -457,15 +459,28 @@ def _prev_hint(path: Path) -> str:
     return f"the previous checkpoint is {prev}" if prev else f"no earlier checkpoint in {path.parent}"
 
 
-def load_checked(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
+def load_checked(path: str | os.PathLike, map_location: Any = "cpu",
+                 check: Callable[[Path, Any], str | None] | None = None) -> dict:
     """Load one checkpoint file, checksum first: the one way wm loads a checkpoint (resume, the
     world stage's tokenizer, --eval-only, export).
 
     The file must match its record (see the module docstring), then it is loaded with
-    ``torch.load(weights_only=True)``. A missing, unreadable, damaged or foreign file raises
-    CheckpointError: one line naming it and the previous checkpoint of its folder, if any."""
+    ``torch.load(weights_only=True)``; a step file must hold the step its name says, and
+    `check(path, state)` (wm.ckpt_checks) says why an intact state does not belong, if it does not.
+    A missing, unreadable, damaged or foreign file raises CheckpointError: one line naming it and
+    the previous checkpoint of its folder, if any."""
     path = Path(path)
     verify(path)
+    st = _load(path, map_location)
+    n, got = _step_of(path.name), st.get("step") if isinstance(st, dict) else None
+    why = (f"holds step {got!r:.20}, not the step {n} its name says" if n is not None and isinstance(st, dict)
+           and "step" in st and got != n else None) or (check(path, st) if check else None)
+    if why:
+        raise _refused(path, why)
+    return st
+
+
+def _load(path: Path, map_location: Any) -> Any:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except OSError as e:
@@ -492,8 +507,10 @@ def _committed(folder: Path) -> list[Path]:
 
 
 def newest_valid(folder: str | os.PathLike, map_location: Any = "cpu", say: Callable[[str], Any] = print,
-                 best: bool = False) -> tuple[Path, dict] | None:
-    """The newest checkpoint of `folder` that passes its checksum and loads: (path, state).
+                 best: bool = False, check: Callable[[Path, Any], str | None] | None = None
+                 ) -> tuple[Path, dict] | None:
+    """The newest checkpoint of `folder` that passes its checksum, loads and passes `check` (see
+    load_checked): (path, state).
 
     Tried in order: best.pt (only with best=True), the file the `latest` pointer names, then every
     committed step file, newest first. Each one skipped is named through `say`, with the reason.
@@ -510,17 +527,17 @@ def newest_valid(folder: str | os.PathLike, map_location: Any = "cpu", say: Call
     skipped = []
     for p in cands:
         try:
-            return p, load_checked(p, map_location)
+            return p, load_checked(p, map_location, check)
         except CheckpointError as e:
             say(f"warning: skipped {p}: it {getattr(e, 'why', e)}")
-            skipped.append(p.name)
-    unfinished = [p.name for p in list_checkpoints(folder) if p not in cands]
+            skipped.append(f"{p.name} {getattr(e, 'why', 'is damaged')}")
+    unfinished = [f"{p.name} is unfinished (no {p.name}{SUMS})" for p in list_checkpoints(folder) if p not in cands]
     if not skipped and not unfinished:
         return None
-    raise CheckpointError(f"no valid checkpoint in {folder}: {', '.join(skipped + unfinished)} "
-                          f"{'is' if len(skipped + unfinished) == 1 else 'are'} damaged or unfinished; "
-                          "restore a copy of the folder, or start over with --fresh (the folder is "
-                          "moved aside, not deleted)")
+    why = skipped + unfinished
+    raise CheckpointError(f"no valid checkpoint in {folder}: {'; '.join(why[:3])}"
+                          f"{f' (and {len(why) - 3} more)' if len(why) > 3 else ''}; restore a copy of the "
+                          "folder, or start over with --fresh (the folder is moved aside, not deleted)")
 
 
 def resume_state(folder: str | os.PathLike, map_location: Any = "cpu") -> dict | None:

@@ -35,8 +35,18 @@ class DataError(WMError):
     """A data set, shard or manifest that cannot be used as it is; the message names the file and field."""
 
 
+class Stopped(BaseException):
+    """A stop signal where there is nothing to save (wm.stop_signals): a BaseException, so that no
+    `except Exception` swallows it; str(e) is the one line saying what was finished."""
+
+    def __init__(self, signum: int, msg: str):
+        self.signum = signum
+        super().__init__(msg)
+
+
 def run_cli(main) -> None:
-    """Run a CLI's `main()`: a WMError becomes one line on stderr and exit status 2."""
+    """Run a CLI's `main()`: a WMError becomes one line on stderr and exit status 2; a Stopped its
+    line and the status of the signal (128 + its number), as if the signal had ended the process."""
     import sys
 
     try:
@@ -44,6 +54,9 @@ def run_cli(main) -> None:
     except WMError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Stopped as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        sys.exit(128 + e.signum)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)

@@ -50,6 +50,7 @@ import wm
 from wm import distributed as D
 from wm.atomic import write_bytes
 from wm.checkpoint import load_checked as load_ckpt, newest_valid, sha256_file
+from wm.ckpt_checks import EVAL_KEYS, checker, first_nonfinite
 from wm.config import Config, DataConfig, to_dict
 from wm.data import OccWindows, check_against_config, ignore_stop_signals, resolve_root, start_workers
 from wm.datastats import moving_classes
@@ -309,7 +310,8 @@ def stage_checkpoint(run_dir: Path, stage: str, say=print) -> tuple[Path, dict]:
     """A run's checkpoint of `stage` and its state, checksum-checked: best.pt, else (each one skipped
     named through `say`) the newest valid one."""
     folder = run_dir / stage / "checkpoints"
-    found = newest_valid(folder, say=say, best=True)  # CheckpointError (one line) if none is valid
+    # CheckpointError (one line) if none is intact, of this stage, fitting its config and finite
+    found = newest_valid(folder, say=say, best=True, check=checker(stage, model="own", keys=EVAL_KEYS))
     if found is None:
         raise WMError(f"no {STAGE_WORDS[stage]} checkpoint in {folder}: train that stage first, point "
                       "--cfg / --set run.name=... at the run that has one, pass --ckpt, or choose --stage")
@@ -329,6 +331,9 @@ def load_stage(path: Path, stage: Optional[str] = None, what: str = "--ckpt", st
     if stage is not None and got != stage:
         raise WMError(f"{path} is a {STAGE_WORDS[got]} checkpoint, but a {STAGE_WORDS[stage]} checkpoint "
                       f"is needed here ({what}); {stage} checkpoints live in runs/<name>/{stage}/checkpoints/")
+    bad = first_nonfinite(st, ("model",))
+    if bad:
+        raise WMError(f"{path} holds non-finite values (first: {bad}); evaluate a checkpoint saved before them")
     return st
 
 

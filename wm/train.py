@@ -43,13 +43,14 @@ from torch import nn
 
 import wm
 from wm import distributed as D, runlock
-from wm.checkpoint import (Checkpointer, CheckpointError, latest_checkpoint, load_checked, newest_valid, rng_state,
+from wm.checkpoint import (Checkpointer, latest_checkpoint, load_checked, newest_valid, rng_state,
                            set_rng_state, sha256_file, write_atomic)
 from wm.config import (Config, DataConfig, StageConfig, from_dict, load as load_config, resolve_batch_sizes,
                        save as save_config, stage_batch, to_dict)
 from wm.data import (CodeWindows, OccWindows, ResumableSampler, check_against_config, ignore_stop_signals, make_loader,
                      resolve_root, start_workers)
-from wm.atomic import write_bytes
+from wm.atomic import fsync_dir, require_space, write_bytes
+from wm.ckpt_checks import EVAL_KEYS, all_finite, checker, checkpoint_bytes, first_nonfinite, meta_model, shapes
 from wm.datastats import moving_classes, sample_counts
 from wm.errors import ConfigError, DataError, WMError, first_line
 from wm.logs import Logger, eta
@@ -194,7 +195,7 @@ class Run:
                 "wm_version": wm.__version__, "torch_version": torch.__version__,
                 "git_commit": git_commit(), "world_size": d.world_size,
                 "shards": {s["path"]: s["sha256"] for s in self.manifest.shards}}  # what it trained on
-        self.resuming = False
+        self.resuming, self.fingerprints = False, {self.fingerprint}  # the data its checkpoints may name
         error = None
         if d.is_main:
             try:
@@ -204,7 +205,7 @@ class Run:
         failure = D.broadcast_object(None if error is None else str(error), d)  # every rank stops with it
         if failure is not None:
             raise error or WMError(failure)
-        self.resuming = D.broadcast_object(self.resuming, d)
+        self.resuming, self.fingerprints = D.broadcast_object((self.resuming, self.fingerprints), d)
         D.barrier(d)
         self.log = Logger(self.dir, enabled=d.is_main, tensorboard=cfg.train.tensorboard)
 
@@ -212,6 +213,10 @@ class Run:
         """Rank 0: take the folder's lock (before anything is written), then resume the same run,
         refuse a different one, or move it aside (--fresh); write config.json."""
         say = self.say
+        todo = [s for s in self.cfg.train.stages if not (self.dir / s / "done.json").is_file()]
+        if todo:  # a full disk is said before anything is written, not at the first save
+            need, stage = max((checkpoint_bytes(meta_model(self.cfg, s)), s) for s in todo)
+            require_space(self.dir, need + (1 << 20), f"the run folder with a {stage} checkpoint")
         runlock.acquire(self.dir, say)
         self.locked = True
         try:
@@ -276,6 +281,7 @@ class Run:
         changed = {f"{sec}.{k}": [a[sec][k], b[sec][k]] for sec in a if sec not in free for k in a[sec]
                    if a[sec][k] != b[sec][k] and k not in RESUME_MAY_CHANGE.get(sec, ())}
         history = list(meta.get("history") or [])
+        self.fingerprints |= {f for h in history for f in h.get("data_fingerprint", ())}
         for key in allow_changed:
             sec, _, k = key.partition(".")
             if sec not in a or k not in a[sec]:
@@ -292,16 +298,43 @@ class Run:
                     else "")
             raise WMError(f"{self.dir} holds a run with another config ({'; '.join(diffs[:3])}"
                           f"{'...' if len(diffs) > 3 else ''}){hint}; use --fresh to start over or another run.name")
+        steps = {}
+        for stage in STAGE_SECTIONS:
+            d = _read_json_quiet(self.dir / stage / "checkpoints" / "latest")
+            if d and isinstance(d.get("step"), int):
+                steps[stage] = d["step"]
+        now = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        if fp and fp != self.fingerprint:  # --allow-new-data: the older checkpoints stay this run's
+            history.append({"time": now, "step": steps, "data_fingerprint": [fp, self.fingerprint]})
+            self.fingerprints.add(fp)
         if changed:
-            steps = {}
-            for stage in STAGE_SECTIONS:
-                d = _read_json_quiet(self.dir / stage / "checkpoints" / "latest")
-                if d and isinstance(d.get("step"), int):
-                    steps[stage] = d["step"]
-            history.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step": steps, "changed": changed})
+            history.append({"time": now, "step": steps, "changed": changed})
             self.say("resuming with changed hyperparameters (recorded in config.json's meta.history): " +
                      ", ".join(f"{k} {v[0]!r} -> {v[1]!r}" for k, v in changed.items()))
+            for stage in STAGE_SECTIONS:
+                for k in (f"{stage}_stage.max_steps", f"{stage}_stage.epochs"):
+                    if k in changed:
+                        self._reopen(stage, k, changed[k][1])
+                        break
         return history
+
+    def _reopen(self, stage: str, key: str, new: int) -> None:
+        """A finished stage given more steps (or epochs) goes on from its last checkpoint: its
+        done.json goes before config.json records the change, so a kill between the two leaves a
+        stage that the rerun resumes at its last step and marks finished again."""
+        done = self.dir / stage / "done.json"
+        d = _read_json_quiet(done)
+        if d is None:
+            return
+        if d.get("reason", "finished") != "finished":
+            self.say(f"note: the {stage} stage ended at step {d.get('step')} ({d.get('reason')}); it stays finished")
+            return
+        if key.endswith("max_steps") and 0 < new <= d.get("step", 0):
+            return
+        os.unlink(done)
+        fsync_dir(done.parent)
+        self.say(f"{stage} stage: finished at step {d.get('step')}; with {key}={new} it goes on from its "
+                 "last checkpoint")
 
     def stage_dir(self, stage: str) -> Path:
         return self.dir / stage
@@ -332,6 +365,41 @@ RESUME_MAY_CHANGE = {
     "tokenizer": ("fused_head", "channels_last", "compile_channels_last", "compile_tuning"),
     "world": ("fused_attention", "channels_last"),
 }
+
+
+def run_identity(cfg: dict, stage: str, sections: tuple = ()) -> dict:
+    """The config keys a checkpoint of `stage` must share with this run to be its own: those a
+    resume refuses to change (not RESUME_MAY_CHANGE, SAFE_TO_CHANGE, nor where the folder is), of
+    the sections the stage trains with (or `sections`). ConfigError for a config this wm cannot read."""
+    d = resolve_batch_sizes(to_dict(from_dict(Config, cfg)))
+    secs = sections or ("run", "data", "synthetic", "train", "tokenizer", f"{stage}_stage") + (
+        ("world",) if stage == "world" else ())
+    return {f"{sec}.{k}": v for sec in secs for k, v in d[sec].items()
+            if k not in RESUME_MAY_CHANGE.get(sec, ()) and not (sec.endswith("_stage") and k in SAFE_TO_CHANGE)
+            and f"{sec}.{k}" not in ("run.name", "run.out_dir")}
+
+
+def belongs(run: "Run", stage: str, tok_sha: Optional[str] = None, sections: tuple = ()):
+    """wm.ckpt_checks' `belongs` for this run: why a checkpoint is another run's (config, data, or
+    for the world stage the tokenizer it trained on), or None. `sections`: see run_identity."""
+    mine = run_identity(to_dict(run.cfg), stage, sections)
+
+    def why(st: dict) -> Optional[str]:
+        try:
+            theirs = run_identity(st["config"], stage, sections)
+        except (ConfigError, TypeError, KeyError):
+            return "holds a config this wm cannot read, so it is another program's or another run's"
+        k = next((k for k in mine if theirs.get(k) != mine[k]), None)
+        if k:
+            return f"was saved by another run ({k} is {theirs.get(k)!r:.40}, this run's {mine[k]!r:.40})"
+        fp = st.get("data_fingerprint")
+        if fp not in run.fingerprints:
+            return f"was trained on other data (fingerprint {str(fp)[:16]}, this run's {run.fingerprint[:16]})"
+        got = st["tokenizer"].get("sha256") if isinstance(st.get("tokenizer"), dict) else None
+        if tok_sha and got != tok_sha:
+            return f"was trained on another tokenizer (sha256 {str(got)[:12]}, this world stage's is {tok_sha[:12]})"
+        return None
+    return why
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,6 +542,7 @@ class WorldStage:
         self.run, self.cfg, self.scfg = run, cfg, cfg.world_stage
         tok_ckpt, st = tokenizer_checkpoint(run)
         self.tok_path, self.tok_sha = tok_ckpt, sha256_file(tok_ckpt)
+        retire_stale_world(run, tok_ckpt, self.tok_sha)
         self.tokenizer = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
         self.tokenizer.load_state_dict(st["model"])
         self.tokenizer.eval().requires_grad_(False).to(device)
@@ -563,11 +632,41 @@ def tokenizer_checkpoint(run: Run) -> tuple[Path, dict]:
     """The tokenizer the world stage builds on, checksum-checked, and its state: its stage's best
     checkpoint, else (named) its newest valid one."""
     folder = run.stage_dir("tokenizer") / "checkpoints"
-    found = newest_valid(folder, say=run.say, best=True)
+    # what the world stage needs of it: a finite model of this run's tokenizer config and data (how it
+    # was trained is its own stage's business: a tokenizer brought from another run folder is fine)
+    found = newest_valid(folder, say=run.say, best=True, check=checker(
+        "tokenizer", model=shapes(meta_model(run.cfg, "tokenizer").state_dict()), keys=EVAL_KEYS,
+        belongs=belongs(run, "tokenizer", sections=("tokenizer",))))
     if found is None:
         raise WMError(f"the world stage needs a trained tokenizer but {folder} holds no checkpoint; "
                       "run the tokenizer stage first (train.stages)")
     return found
+
+
+def retire_stale_world(run: Run, tok: Path, sha: str) -> None:
+    """The world stage belongs to the tokenizer it trained on. When the tokenizer stage went on and
+    its best checkpoint changed, the world stage's folder is moved aside (said) and the stage
+    starts over; when the best was skipped as damaged, the run stops instead (restore it)."""
+    error, folder = None, run.stage_dir("world")
+    last = latest_checkpoint(folder / "checkpoints") if run.d.is_main else None
+    try:  # one small field: the file itself is checked when it is loaded
+        old = torch.load(last, map_location="cpu", weights_only=True, mmap=True)["tokenizer"]["sha256"] if last else sha
+    except Exception:
+        old = sha
+    if old != sha and tok.name != "best.pt" and (tok.parent / "best.pt").exists():
+        error = (f"the world stage was trained on tokenizer {old[:12]}, but the tokenizer's best.pt was "
+                 f"skipped (above) for {tok.name} ({sha[:12]}); restore best.pt, or start over with --fresh")
+    elif old != sha:
+        aside, n = folder.with_name(f"world.{time.strftime('%Y%m%d-%H%M%S')}"), 1
+        while aside.exists():
+            aside, n = folder.with_name(f"world.{time.strftime('%Y%m%d-%H%M%S')}-{n}"), n + 1
+        os.replace(folder, aside)
+        fsync_dir(folder.parent)
+        run.say(f"world stage: its checkpoints were trained on tokenizer {old[:12]}, the tokenizer's best is now "
+                f"{sha[:12]}; moved them to {aside}: the world stage starts over")
+    failure = D.broadcast_object(error, run.d)
+    if failure:
+        raise WMError(failure)
 
 
 CELL_MASK = "cell_mask.npy"
@@ -588,7 +687,10 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
     key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
     folder = run.dir / "token_cache" / key
     path = folder / "codes.npy"
-    if d.is_main and not _token_cache_ok(folder, tok_sha, run.fingerprint, use_mask):  # the run folder is shared by all ranks
+    why = _token_cache_problem(folder, tok_sha, run.fingerprint, use_mask) if d.is_main else None
+    if why and not why.startswith("missing"):
+        run.say(f"note: the token cache {why}; encoding the training frames again")
+    if why:  # rank 0 builds: the run folder is shared by all ranks
         frames = OccWindows(run.root, cfg.data.train_split, frames_config(cfg.data, use_mask=use_mask))
         h, w = tok.token_shape
         for stale in folder.parent.glob(".*.tmp-*") if folder.parent.is_dir() else []:
@@ -643,16 +745,22 @@ def write_token_cache(folder: Path, codes: np.ndarray, meta: dict, cells: np.nda
                       f"(the tokenizer checkpoints are intact): free space under {folder.parent} and rerun") from None
 
 
-def _token_cache_ok(folder: Path, tok_sha: str, fingerprint: str, use_mask: bool = False) -> bool:
-    """A complete cache of this tokenizer and data whose codes (and cell mask) match their recorded sha256."""
+def _token_cache_problem(folder: Path, tok_sha: str, fingerprint: str, use_mask: bool = False) -> Optional[str]:
+    """None for a complete cache of this tokenizer and data whose codes (and cell mask) match their
+    recorded sha256; else why not: "missing", or which file is damaged and how."""
+    if not (folder / "meta.json").exists():
+        return "missing"
     m = _read_json_quiet(folder / "meta.json")
     if not m or m.get("tokenizer_sha256") != tok_sha or m.get("data_fingerprint") != fingerprint:
-        return False
-    try:
-        return sha256_file(folder / "codes.npy") == m.get("codes_sha256") and (
-            not use_mask or sha256_file(folder / CELL_MASK) == m.get("cell_mask_sha256"))
-    except OSError:
-        return False
+        return f"{folder / 'meta.json'} is damaged (unreadable, or naming another tokenizer or data)"
+    for name, key in (("codes.npy", "codes_sha256"),) + (((CELL_MASK, "cell_mask_sha256"),) if use_mask else ()):
+        try:
+            got = sha256_file(folder / name)
+        except OSError as e:
+            return f"{folder / name} cannot be read ({e.strerror or first_line(e)})"
+        if got != m.get(key):
+            return f"{folder / name} is damaged (its sha256 is {got[:12]}..., meta.json records {str(m.get(key))[:12]}...)"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -851,8 +959,19 @@ def stage_parts(stage, cfg: Config, d: D.Dist, device: torch.device, dtype) -> S
     loader = make_loader(stage.train_ds, sampler, cfg.data, drop_last=True, batch_size=batch)
     per_rank_batches = batches_per_rank(stage.name, len(stage.train_ds), d.world_size, batch, s.grad_accum)
     steps_per_epoch = per_rank_batches // s.grad_accum
-    return StageParts(model, batch, opt, scaler, sampler, loader, steps_per_epoch,
-                      s.max_steps or s.epochs * steps_per_epoch)
+    return StageParts(model, batch, opt, scaler, sampler, loader, steps_per_epoch, stage_total(s, 0, sampler, batch))
+
+
+def stage_total(s: StageConfig, step: int, sampler: ResumableSampler, batch: int) -> int:
+    """The stage's last step: max_steps, else the end of epoch `epochs` from the sampler's position
+    (the rest of its epoch at this world size, then whole epochs, in micro-batches of `batch` a rank,
+    grad_accum to a step). The same from every resume point at one world size; after a change of
+    world size the stage still ends after `epochs` passes over the data."""
+    if s.max_steps:
+        return s.max_steps
+    per_epoch = sampler.n // sampler.world_size // batch
+    left = (sampler.n - sampler.consumed) // sampler.world_size // batch + (s.epochs - sampler.epoch - 1) * per_epoch
+    return step + max(0, left) // s.grad_accum
 
 
 def batch_words(cfg: Config, stage: str, world_size: int) -> str:
@@ -881,22 +1000,29 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
     model, batch, opt, scaler, sampler, loader = (parts.model, parts.batch, parts.opt, parts.scaler,
                                                   parts.sampler, parts.loader)
     steps_per_epoch, total = parts.steps_per_epoch, parts.total
-    eval_every = total if s.eval_every < 0 else (s.eval_every or steps_per_epoch)  # -1: only at the end
     ckpt = Checkpointer(sdir / "checkpoints", cfg.train.keep_last, s.best_metric, s.best_mode,
                         cfg.train.async_ckpt) if d.is_main else None
 
     # resume: every rank loads the same file (the run folder is on a shared filesystem)
     step, best, stale, last_val = 0, None, 0, {}
-    # rank 0 picks the newest valid checkpoint (naming any it skips); none valid stops every rank
+    params = [p for g in opt.param_groups for p in g["params"]]
+    pname = {id(p): n for n, p in model.named_parameters()}
+    names = {i: pname.get(id(p), "?") for i, p in enumerate(params)}  # optimizer index -> parameter
+    check = checker(stage.name, model=shapes(model.state_dict()), optimizer=[tuple(p.shape) for p in params],
+                    belongs=belongs(run, stage.name, getattr(stage, "tok_sha", None)), names=names)
+    # rank 0 checks the disk has room for a save, then picks the newest checkpoint that is intact,
+    # this run's, of this model and finite (naming any it skips); a failure stops every rank
     found, failure = None, None
     if ckpt:
         try:
-            found = newest_valid(ckpt.folder, say=run.say)
-        except CheckpointError as e:
+            require_space(ckpt.folder, checkpoint_bytes(model), f"a {stage.name} checkpoint")
+            found = newest_valid(ckpt.folder, say=run.say, check=check)
+        except WMError as e:
             failure = str(e)
     path, failure = D.broadcast_object((str(found[0]) if found else None, failure), d)
     if failure:
-        raise CheckpointError(failure)
+        raise WMError(failure)
+    resumed = path
     if path:
         st = found[1] if found else load_checked(path)
         model.load_state_dict(st["model"])
@@ -904,24 +1030,44 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
         scaler.load_state_dict(st["scaler"])
         sampler.load_state_dict(st["sampler"])
         step, best, stale, last_val = st["step"], st.get("best"), st.get("stale", 0), st.get("metrics", {})
+        total = stage_total(s, step, sampler, batch)
         rngs = st["rng"]
+        run.say(f"{stage.name}: resumed from {path} at step {step}/{total} (epoch {sampler.epoch})")
         if len(rngs) == d.world_size:
             set_rng_state(rngs[d.rank])
-        else:
+        else:  # the data order is global; the RNG streams are per rank and cannot be split or merged
             seed_all(cfg.run.seed * 1000 + d.rank + step)
-            run.say(f"note: resumed on {d.world_size} ranks from {len(rngs)}; RNG streams re-seeded")
-        run.say(f"{stage.name}: resumed from {path} at step {step}/{total} (epoch {sampler.epoch})")
-    else:
+            g = batch * s.grad_accum
+            run.say(f"note: resumed on {d.world_size} rank{'s' if d.world_size != 1 else ''} from {len(rngs)}: a "
+                    f"step now takes {g * d.world_size} samples (it took {g * len(rngs)}); the data order goes on "
+                    f"at sample {sampler.consumed} of epoch {sampler.epoch}; RNG streams re-seeded")
+    run.say(f"{stage.name}: {count_parameters(model) / 1e6:.2f} M parameters, {len(stage.train_ds)} "
+            f"training samples, {total} steps of {batch * d.world_size * s.grad_accum} samples "
+            f"({batch_words(cfg, stage.name, d.world_size)})")
+    if not path:
         seed_all(cfg.run.seed * 1000 + d.rank)
-        run.say(f"{stage.name}: {count_parameters(model) / 1e6:.2f} M parameters, {len(stage.train_ds)} "
-                f"training samples, {total} steps of {batch * d.world_size * s.grad_accum} samples "
-                f"({batch_words(cfg, stage.name, d.world_size)})")
+    eval_every = total if s.eval_every < 0 else (s.eval_every or steps_per_epoch)  # -1: only at the end
 
     ddp = wrap_ddp(model, cfg, device, d)
     fwd = compiled(ddp, cfg, stage.inductor_options())
 
+    def last_good() -> str:
+        """The newest checkpoint known complete and finite: the last one saved, else the one resumed from."""
+        if ckpt:
+            ckpt.close()  # first: the save in flight is part of what is on disk
+        good = (ckpt.last_path or resumed) if ckpt else "on rank 0"
+        return f"The last good checkpoint is {good}" if good else "No checkpoint was saved"
+
     def save(metrics: Optional[dict] = None) -> None:
-        rng = D.gather_objects(rng_state(), d)  # every rank reaches this collective
+        rng = D.gather_objects(rng_state(), d)  # every rank reaches these collectives
+        # a state with NaN or inf is never saved nor called good: one reduction on the device
+        ok = all_finite([*model.state_dict().values(), *(t for v in opt.state.values() for t in v.values()
+                                                           if torch.is_tensor(t))]).float()
+        D.all_reduce_(ok, d, op="min")
+        if not ok:
+            bad = first_nonfinite({"model": model.state_dict(), "optimizer": opt.state_dict()}, names=names)
+            raise WMError(f"{stage.name}: the state at step {step} holds non-finite values (first: {bad}); it was "
+                          f"not saved. {last_good()}; lower {stage.name}_stage.lr, check the data, or try train.amp=fp32")
         if ckpt is None:
             return
         state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": scaler.state_dict(),
@@ -966,12 +1112,8 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
             log.scalars(j, {"train/nonfinite_steps": nonfinite}, kind=f"{stage.name}/skip")
             run.say(f"{stage.name} step {j}: non-finite loss or gradient, step skipped ({nonfinite} in a row)")
             if nonfinite >= cfg.train.max_nonfinite:
-                if ckpt:
-                    ckpt.close()  # first: the save in flight is part of what is on disk
-                last = ckpt.latest() if ckpt else None
                 raise WMError(f"{stage.name}: {nonfinite} non-finite steps in a row at step {j}; stopped. "
-                              f"The last good checkpoint is {last or 'on rank 0'}; lower "
-                              f"{stage.name}_stage.lr, check the data, or try train.amp=fp32")
+                              f"{last_good()}; lower {stage.name}_stage.lr, check the data, or try train.amp=fp32")
 
         # ---- logging
         if log_now:

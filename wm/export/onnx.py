@@ -43,6 +43,7 @@ from torch import nn
 
 from wm.atomic import discard, publish, tmp_path
 from wm.checkpoint import latest_checkpoint, load, newest_valid
+from wm.ckpt_checks import EVAL_KEYS, checker, first_nonfinite
 from wm.config import Config, from_dict
 from wm.errors import ConfigError, WMError
 from wm.tokenizer import Tokenizer
@@ -94,7 +95,7 @@ def load_trained(run: str | os.PathLike, ckpt: Optional[str | os.PathLike] = Non
         folder = run / "world" / "checkpoints"
         # best.pt, else the newest valid step: each is checked against its recorded sha256, and a
         # damaged one is named and skipped (CheckpointError, one line, when none is valid)
-        found = newest_valid(folder, best=True, say=print)
+        found = newest_valid(folder, best=True, say=print, check=checker("world", model="own", keys=EVAL_KEYS))
         if found is None:
             tok = latest_checkpoint(run / "tokenizer" / "checkpoints")
             what = "only the tokenizer stage" if tok else "no checkpoint"
@@ -109,6 +110,8 @@ def load_trained(run: str | os.PathLike, ckpt: Optional[str | os.PathLike] = Non
     if st.get("stage") != "world":
         raise ExportError(f"{ckpt} is a {st.get('stage', 'unknown')}-stage checkpoint; export needs a "
                           "world-model checkpoint (runs/<name>/world/checkpoints/)")
+    if bad := first_nonfinite(st, ("model",)):
+        raise ExportError(f"{ckpt} holds non-finite values (first: {bad}); export a checkpoint saved before them")
     try:
         cfg = from_dict(Config, st["config"]).validate()
     except ConfigError as e:
