@@ -115,24 +115,31 @@ COLLECTIVES = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
-def test_collectives_across_two_gloo_processes():
+def run_two_ranks(script: str, threads: int, timeout: float = 240) -> list[dict]:
+    """`script` in two gloo processes (RANK 0 and 1), each printing `RESULT <json>`: both."""
     port = free_port()
     procs = []
     for r in range(2):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-c", COLLECTIVES], cwd=ROOT, env=env,
+                   MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
+        procs.append(subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=120)
-            assert p.returncode == 0, out
+            out, _ = p.communicate(timeout=timeout)
+            assert p.returncode == 0 and "RESULT " in out, out[-4000:]
             outs.append(json.loads(out.split("RESULT ", 1)[1]))
     finally:
         for p in procs:
             p.kill()
+            p.wait()
+    return outs
+
+
+@pytest.mark.slow
+def test_collectives_across_two_gloo_processes():
+    outs = run_two_ranks(COLLECTIVES, threads=1)
     for o in outs:
         assert o["world"] == 2 and o["backend"] == "gloo"
         assert o["sum"] == [3.0, 10.0] and o["max"] == [2.0, 10.0] and o["min"] == [1.0, 0.0]
@@ -337,3 +344,69 @@ def test_a_hung_rank_ends_the_other_with_an_error_after_the_timeout(tiny):
     assert "timed out" in out.lower(), out[-3000:]
     assert took < 10 + 30, f"the surviving rank took {took:.0f}s to fail:\n{out[-3000:]}"
     assert "tokenizer step 5000/5000" not in out
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP's gradient buckets: every gradient arrives with its bucket view's strides
+
+BUCKETS = textwrap.dedent("""
+    import json, sys, warnings, torch
+    import wm.distributed as D
+    from wm.config import Config
+    from wm.train import wrap_ddp
+    from wm.tokenizer import Tokenizer, TokenizerConfig
+    from wm.world import WorldConfig, WorldModel
+    torch.set_num_threads(2)  # oneDNN takes the 1x1 convolutions (one thread: another kernel, NCHW gradients)
+    d = D.init("cpu", 30)
+    cfg = Config()
+    torch.manual_seed(0)
+    occ = torch.randint(0, 6, (4, 16, 16, 4), dtype=torch.uint8)
+    codes, motion = torch.randint(0, 16, (4, 3, 8, 8)), torch.randn(4, 3, 3)
+
+    def tok():
+        return Tokenizer(TokenizerConfig(widths=(8, 16), codebook_size=16, code_dim=8, lovasz_weight=0,
+                                         dead_code_steps=0), 6, (16, 16, 4))
+
+    def world():
+        return WorldModel(WorldConfig(widths=(8, 16), heads=2), 16)
+
+    def tok_loss(m, i):
+        return m(occ[i], logits=False)["loss"]
+
+    def world_loss(m, i):
+        return m(codes[i, :-1], motion[i, :-1], codes[i, 1:], motion[i, 1:])["loss"]
+
+    out = {"warnings": [], "max_rel_diff": {}}
+    for name, make, loss in (("tokenizer", tok, tok_loss), ("world", world, world_loss)):
+        torch.manual_seed(1)
+        ref = make()  # one process, the whole batch
+        torch.manual_seed(1)
+        model = make()
+        ddp = wrap_ddp(model, cfg, d.device, d)
+        half = slice(2 * d.rank, 2 * d.rank + 2)
+        for step in range(2):  # set_to_none between steps, as the training loop does
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                loss(ddp, half).backward()
+            out["warnings"] += [str(w.message).splitlines()[0] for w in seen if "stride" in str(w.message)]
+            loss(ref, slice(0, 4)).backward()
+            worst = 0.0
+            for (k, a), b in zip(model.named_parameters(), ref.parameters()):
+                err = (a.grad - b.grad).abs().max() / b.grad.abs().max().clamp_min(1e-12)
+                worst = max(worst, float(err))
+            out["max_rel_diff"][f"{name}{step}"] = worst
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+    D.close(d)
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_ddp_gradients_match_their_bucket_views_and_one_process():
+    # a gradient whose strides differ from its bucket view's is copied into the bucket (DDP warns
+    # "Grad strides do not match bucket view strides"): the tokenizer's decoder runs channels-last
+    for o in run_two_ranks(BUCKETS, threads=2):
+        assert o["warnings"] == [], o["warnings"]
+        for k, v in o["max_rel_diff"].items():
+            assert v < 1e-5, (k, v)
