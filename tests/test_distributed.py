@@ -2,6 +2,7 @@
 processes, torchrun --nproc_per_node 2 against one process with the same global batch, SIGTERM
 to one rank, two torchrun agents rendezvousing through c10d, and a killed rank ending the job."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -287,6 +288,22 @@ def test_two_torchrun_agents_rendezvous_through_c10d_and_train(tiny):
     assert out.count("tokenizer step 3/3 ") == 1  # rank 0 alone speaks
 
 
+def ranks_of(nodes: list) -> dict:
+    """{RANK: (index of its node in `nodes`, pid)} of the training processes under each node's
+    launcher (torchrun's children, or its grandchildren under a script)."""
+    found = {}
+    for i, p in enumerate(nodes):
+        for c in children(p.pid) + [g for c in children(p.pid) for g in children(c)]:
+            try:
+                env = Path(f"/proc/{c}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            rank = [int(v[5:]) for v in env if v.startswith(b"RANK=")]
+            if rank:
+                found.setdefault(rank[0], (i, c))  # the shallowest: not a DataLoader worker of it
+    return found
+
+
 def stop_one_rank(tiny, sig, timeout_s, out):
     """Start two agents, wait for training, send `sig` to the rank-1 worker; returns (exit code of
     the other agent, seconds it took to end after the signal, its output)."""
@@ -298,18 +315,9 @@ def stop_one_rank(tiny, sig, timeout_s, out):
         while not any(p.wait_for(r"^tokenizer step 3/", 0.2) for p in ps):  # rank 0 is either one
             assert time.monotonic() < deadline and all(p.p.poll() is None for p in ps), \
                 ps[0].output + ps[1].output
-        # ranks are assigned by the rendezvous: find the agent whose worker is rank 1
-        victim = survivor = None
-        for i, p in enumerate(ps):
-            for c in children(p.pid):
-                workers.add(c)
-                try:
-                    env = Path(f"/proc/{c}/environ").read_bytes().split(b"\0")
-                except OSError:
-                    continue
-                if b"RANK=1" in env:
-                    victim, survivor = c, ps[1 - i]
-        assert victim is not None
+        ranks = ranks_of(ps)  # assigned by the rendezvous
+        workers.update(pid for _, pid in ranks.values())
+        (node, victim), survivor = ranks[1], ps[1 - ranks[1][0]]
         t0 = time.monotonic()
         os.kill(victim, sig)
         rc = survivor.finish(timeout_s + 90)  # raises if it hangs
@@ -410,3 +418,53 @@ def test_ddp_gradients_match_their_bucket_views_and_one_process():
         assert o["warnings"] == [], o["warnings"]
         for k, v in o["max_rel_diff"].items():
             assert v < 1e-5, (k, v)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_nodes_launcher_saves_on_both_and_the_rerun_resumes(tiny):
+    # tools/launch_multinode.sh as two "nodes" of one process each, a localhost c10d rendezvous;
+    # SIGTERM to the process group of rank 0's node, as a preemption of that node sends it
+    over = dict(tokenizer_stage__max_steps=200, **DDP_EXACT)
+
+    def nodes():
+        from conftest import Proc
+
+        port = free_port()
+        env = {"RDZV_ENDPOINT": f"127.0.0.1:{port}", "NNODES": "2", "NPROC": "1", "MAX_RESTARTS": "0",
+               "RDZV_ID": f"wm-test-{port}"}
+        return [Proc(["bash", "tools/launch_multinode.sh", *tiny.args(out="nodes", **over)], env=env) for _ in range(2)]
+
+    ps, workers = nodes(), set()
+    try:
+        deadline = time.monotonic() + 180
+        while not any(p.wait_for(r"^tokenizer step 3/", 0.2) for p in ps):
+            assert time.monotonic() < deadline and all(p.p.poll() is None for p in ps), ps[0].output + ps[1].output
+        ranks = ranks_of(ps)
+        workers.update(pid for _, pid in ranks.values())
+        os.killpg(ps[ranks[0][0]].pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        rcs = [p.finish(60) for p in ps]
+        took = time.monotonic() - t0
+    finally:
+        for c in workers:
+            with contextlib.suppress(OSError):
+                os.kill(c, signal.SIGKILL)
+        for p in ps:
+            p.kill_group()
+    out = ps[0].output + ps[1].output
+    assert rcs == [0, 0] and took < 30, (rcs, took, out[-4000:])
+    m = re.search(r"tokenizer: preempted \(SIGTERM/SIGINT\); saved step (\d+)\.", out)
+    assert m, out[-4000:]
+    stopped = int(m.group(1))
+    assert 3 <= stopped < 200 and final(tiny.run_dir("nodes"), "tokenizer")["step"] == stopped
+
+    ps = nodes()
+    try:
+        rcs = [p.finish(240) for p in ps]
+    finally:
+        for p in ps:
+            p.kill_group()
+    out = ps[0].output + ps[1].output
+    assert rcs == [0, 0], out[-4000:]
+    assert f"at step {stopped}/200" in out and "tokenizer step 200/200 " in out
+    assert final(tiny.run_dir("nodes"), "tokenizer")["step"] == 200
