@@ -468,3 +468,31 @@ def test_sigterm_to_one_nodes_launcher_saves_on_both_and_the_rerun_resumes(tiny)
     assert rcs == [0, 0], out[-4000:]
     assert f"at step {stopped}/200" in out and "tokenizer step 200/200 " in out
     assert final(tiny.run_dir("nodes"), "tokenizer")["step"] == 200
+
+
+DEAD_CODES = textwrap.dedent("""
+    import json, types, torch
+    import wm.distributed as D
+    from wm.tokenizer import Tokenizer, TokenizerConfig
+    from wm.train import TokenizerStage
+    d = D.init("cpu", 30)
+    torch.manual_seed(0)
+    m = Tokenizer(TokenizerConfig(widths=(8, 16), codebook_size=4, code_dim=8, dead_code_steps=3), 6, (16, 16, 4))
+    before = m.quantizer.codebook.weight.detach().clone()
+    # code 0 was last used 5 forwards ago on rank 0 and just now on rank 1: it is alive;
+    # code 1 has gone unused on both ranks for 4 forwards: it is dead
+    m.quantizer.code_age.copy_(torch.tensor([5, 4, 0, 0]) if d.rank == 0 else torch.tensor([0, 4, 0, 1]))
+    m.quantizer._recent_z = torch.randn(16, 8)
+    TokenizerStage.after_step(types.SimpleNamespace(), m, d, torch.tensor(False))
+    changed = (m.quantizer.codebook.weight != before).any(1).tolist()
+    out = {"changed": changed, "age": m.quantizer.code_age.tolist()}
+    D.close(d)
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_a_code_used_on_any_rank_is_not_reset_as_dead():
+    for o in run_two_ranks(DEAD_CODES, threads=1):
+        assert o["changed"] == [False, True, False, False], o
+        assert o["age"] == [0, 0, 0, 0], o  # the reset code starts afresh; the others: the youngest rank's age

@@ -427,8 +427,11 @@ class TokenizerStage:
     def after_step(self, model: nn.Module, d: D.Dist, skipped: torch.Tensor) -> None:
         """Dead-code reset: rank 0 decides from its encoder outputs, every rank gets its codebook
         (DDP does not sync in-place parameter edits). Not after a skipped step (`skipped`, a bool on
-        the device): its encoder outputs may be non-finite."""
+        the device): its encoder outputs may be non-finite. A code's age is the youngest rank's (each
+        rank ages the codes its own batch did not use), so a code in use anywhere is not dead."""
         m = unwrap(model)
+        if d.active and m.quantizer.dead_code_steps > 0:
+            D.all_reduce_(m.quantizer.code_age, d, op="min")
         if d.is_main:
             m.reset_dead_codes(skip=skipped)
         if d.active:
