@@ -33,9 +33,10 @@ from wm.world import WorldConfig, WorldModel  # noqa: E402
 VARIANTS = ("compile_ddp", "compile_ddp_nosplit", "compile_ddp_nolayout", "ddp_compile")
 
 
-def spy_tangents(log: list) -> None:
+def spy_tangents(log: list, echo: bool) -> None:
     """Record every tangent AOTAutograd hands a compiled backward: shape, strides, offset, dtype, the
-    traced layout, and whether it had to be copied into that layout."""
+    traced layout, and whether it had to be copied into that layout; `echo`: also print each one as
+    it comes (a CUDA error may end the process before the report)."""
     import torch._functorch._aot_autograd.runtime_wrappers as rw
 
     real = rw.coerce_to_expected_memory_format
@@ -46,6 +47,8 @@ def spy_tangents(log: list) -> None:
                     "offset": x.storage_offset(),
                     "traced": str(mf.memory_format) if mf.memory_format is not None else list(mf.stride),
                     "restrided": y is not x})
+        if echo:
+            print("tangent " + json.dumps(log[-1]), file=sys.stderr, flush=True)
         return y
 
     rw.coerce_to_expected_memory_format = spy
@@ -64,13 +67,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--amp", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--codes", type=int, default=512)
+    ap.add_argument("--echo", action="store_true", help="print every tangent as it comes (rank 0, stderr)")
     a = ap.parse_args(argv)
     d = D.init(a.device, 900)
     dev, dtype = d.device, {"fp32": None, "bf16": torch.bfloat16}[a.amp]
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     tangents: list = []
-    spy_tangents(tangents)
+    spy_tangents(tangents, echo=a.echo and d.is_main)
     g = torch.Generator().manual_seed(100 + d.rank)
     data = [(torch.randint(0, a.codes, (a.batch, a.frames, a.grid, a.grid), generator=g).to(dev),
              torch.randn(a.batch, a.frames, 3, generator=g).to(dev)) for _ in range(a.steps)]
