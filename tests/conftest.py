@@ -22,6 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: multi-process training tests (they still run in CI)")
+    config.addinivalue_line("markers", "cuda: needs a CUDA device (`pytest -m cuda`, tools/gpu_check.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    # a test that skips itself without CUDA is a CUDA test: `pytest -m cuda` selects them all
+    for item in items:
+        if any(m.kwargs.get("reason") == "needs CUDA" for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.cuda)
 
 
 TINY_SETTINGS = {

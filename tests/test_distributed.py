@@ -2,6 +2,7 @@
 processes, torchrun --nproc_per_node 2 against one process with the same global batch, SIGTERM
 to one rank, two torchrun agents rendezvousing through c10d, and a killed rank ending the job."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -115,21 +116,20 @@ COLLECTIVES = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
-def two_gloo_ranks(script: str, timeout: float = 120) -> list[dict]:
-    """Run `script` as ranks 0 and 1 of a gloo group; each prints 'RESULT <json>'."""
+def run_two_ranks(script: str, threads: int, timeout: float = 240) -> list[dict]:
+    """`script` in two gloo processes (RANK 0 and 1), each printing `RESULT <json>`: both."""
     port = free_port()
     procs = []
     for r in range(2):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                   MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
         procs.append(subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
     try:
         for p in procs:
             out, _ = p.communicate(timeout=timeout)
-            assert p.returncode == 0, out[-3000:]
+            assert p.returncode == 0 and "RESULT " in out, out[-4000:]
             outs.append(json.loads(out.split("RESULT ", 1)[1]))
     finally:
         for p in procs:
@@ -138,8 +138,10 @@ def two_gloo_ranks(script: str, timeout: float = 120) -> list[dict]:
     return outs
 
 
+@pytest.mark.slow
 def test_collectives_across_two_gloo_processes():
-    for o in two_gloo_ranks(COLLECTIVES):
+    outs = run_two_ranks(COLLECTIVES, threads=1)
+    for o in outs:
         assert o["world"] == 2 and o["backend"] == "gloo"
         assert o["sum"] == [3.0, 10.0] and o["max"] == [2.0, 10.0] and o["min"] == [1.0, 0.0]
         assert o["mean"] == {"a": 0.5, "b": 2.0}
@@ -286,6 +288,22 @@ def test_two_torchrun_agents_rendezvous_through_c10d_and_train(tiny):
     assert out.count("tokenizer step 3/3 ") == 1  # rank 0 alone speaks
 
 
+def ranks_of(nodes: list) -> dict:
+    """{RANK: (index of its node in `nodes`, pid)} of the training processes under each node's
+    launcher (torchrun's children, or its grandchildren under a script)."""
+    found = {}
+    for i, p in enumerate(nodes):
+        for c in children(p.pid) + [g for c in children(p.pid) for g in children(c)]:
+            try:
+                env = Path(f"/proc/{c}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            rank = [int(v[5:]) for v in env if v.startswith(b"RANK=")]
+            if rank:
+                found.setdefault(rank[0], (i, c))  # the shallowest: not a DataLoader worker of it
+    return found
+
+
 def stop_one_rank(tiny, sig, timeout_s, out):
     """Start two agents, wait for training, send `sig` to the rank-1 worker; returns (exit code of
     the other agent, seconds it took to end after the signal, its output)."""
@@ -297,18 +315,9 @@ def stop_one_rank(tiny, sig, timeout_s, out):
         while not any(p.wait_for(r"^tokenizer step 3/", 0.2) for p in ps):  # rank 0 is either one
             assert time.monotonic() < deadline and all(p.p.poll() is None for p in ps), \
                 ps[0].output + ps[1].output
-        # ranks are assigned by the rendezvous: find the agent whose worker is rank 1
-        victim = survivor = None
-        for i, p in enumerate(ps):
-            for c in children(p.pid):
-                workers.add(c)
-                try:
-                    env = Path(f"/proc/{c}/environ").read_bytes().split(b"\0")
-                except OSError:
-                    continue
-                if b"RANK=1" in env:
-                    victim, survivor = c, ps[1 - i]
-        assert victim is not None
+        ranks = ranks_of(ps)  # assigned by the rendezvous
+        workers.update(pid for _, pid in ranks.values())
+        (_, victim), survivor = ranks[1], ps[1 - ranks[1][0]]
         t0 = time.monotonic()
         os.kill(victim, sig)
         rc = survivor.finish(timeout_s + 90)  # raises if it hangs
@@ -383,13 +392,69 @@ COMPILED_DDP = textwrap.dedent("""
 """)
 
 
+# ---------------------------------------------------------------------------------------------
+# DDP's gradient buckets: every gradient arrives with its bucket view's strides
+
+BUCKETS = textwrap.dedent("""
+    import json, sys, warnings, torch
+    import wm.distributed as D
+    from wm.config import Config
+    from wm.train import wrap_ddp
+    from wm.tokenizer import Tokenizer, TokenizerConfig
+    from wm.world import WorldConfig, WorldModel
+    torch.set_num_threads(2)  # oneDNN takes the 1x1 convolutions (one thread: another kernel, NCHW gradients)
+    d = D.init("cpu", 30)
+    cfg = Config()
+    torch.manual_seed(0)
+    occ = torch.randint(0, 6, (4, 16, 16, 4), dtype=torch.uint8)
+    codes, motion = torch.randint(0, 16, (4, 3, 8, 8)), torch.randn(4, 3, 3)
+
+    def tok():
+        return Tokenizer(TokenizerConfig(widths=(8, 16), codebook_size=16, code_dim=8, lovasz_weight=0,
+                                         dead_code_steps=0), 6, (16, 16, 4))
+
+    def world():
+        return WorldModel(WorldConfig(widths=(8, 16), heads=2), 16)
+
+    def tok_loss(m, i):
+        return m(occ[i], logits=False)["loss"]
+
+    def world_loss(m, i):
+        return m(codes[i, :-1], motion[i, :-1], codes[i, 1:], motion[i, 1:])["loss"]
+
+    out = {"warnings": [], "max_rel_diff": {}}
+    for name, make, loss in (("tokenizer", tok, tok_loss), ("world", world, world_loss)):
+        torch.manual_seed(1)
+        ref = make()  # one process, the whole batch
+        torch.manual_seed(1)
+        model = make()
+        ddp = wrap_ddp(model, cfg, d.device, d)
+        half = slice(2 * d.rank, 2 * d.rank + 2)
+        for step in range(2):  # set_to_none between steps, as the training loop does
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                loss(ddp, half).backward()
+            out["warnings"] += [str(w.message).splitlines()[0] for w in seen if "stride" in str(w.message)]
+            loss(ref, slice(0, 4)).backward()
+            worst = 0.0
+            for (k, a), b in zip(model.named_parameters(), ref.parameters()):
+                err = (a.grad - b.grad).abs().max() / b.grad.abs().max().clamp_min(1e-12)
+                worst = max(worst, float(err))
+            out["max_rel_diff"][f"{name}{step}"] = worst
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+    D.close(d)
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
 @pytest.mark.slow
 def test_compiled_ddp_runs_the_one_graph_a_single_gpu_runs():
     """Under DDP the model compiles as one graph, as on one GPU: no piece of a split graph is handed
     activation gradients across a bucket boundary (where Dynamo's DDP splitting fed one piece of the
     world model's backward layouts it did not trace, and a CUDA kernel read out of bounds), and two
     compiled steps give the eager DDP parameters."""
-    for o in two_gloo_ranks(COMPILED_DDP, timeout=300):
+    for o in run_two_ranks(COMPILED_DDP, threads=1, timeout=300):
         assert o["tangents"] == [], o["tangents"][:5]
         for k, v in o["eager"].items():
             assert torch.allclose(torch.tensor(o["compiled"][k]), torch.tensor(v), atol=1e-5, rtol=1e-4), k
@@ -418,3 +483,91 @@ def test_resume_on_one_rank_from_two_says_what_changed_and_still_ends_after_the_
     assert f"{total} steps of 2 samples (batch 2 from tokenizer_stage.batch_size x grad_accum 1 x 1 rank)" in one.output
     end = final(tiny.run_dir(), "tokenizer")
     assert end["step"] == total and (end["sampler"]["epoch"], end["sampler"]["consumed"]) == (2, 0)
+
+
+@pytest.mark.slow
+def test_ddp_gradients_match_their_bucket_views_and_one_process():
+    # a gradient whose strides differ from its bucket view's is copied into the bucket (DDP warns
+    # "Grad strides do not match bucket view strides"): the tokenizer's decoder runs channels-last
+    for o in run_two_ranks(BUCKETS, threads=2):
+        assert o["warnings"] == [], o["warnings"]
+        for k, v in o["max_rel_diff"].items():
+            assert v < 1e-5, (k, v)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_nodes_launcher_saves_on_both_and_the_rerun_resumes(tiny):
+    # tools/launch_multinode.sh as two "nodes" of one process each, a localhost c10d rendezvous;
+    # SIGTERM to the process group of rank 0's node, as a preemption of that node sends it
+    over = dict(tokenizer_stage__max_steps=200, **DDP_EXACT)
+
+    def nodes():
+        from conftest import Proc
+
+        port = free_port()
+        env = {"RDZV_ENDPOINT": f"127.0.0.1:{port}", "NNODES": "2", "NPROC": "1", "MAX_RESTARTS": "0",
+               "RDZV_ID": f"wm-test-{port}"}
+        return [Proc(["bash", "tools/launch_multinode.sh", *tiny.args(out="nodes", **over)], env=env) for _ in range(2)]
+
+    ps, workers = nodes(), set()
+    try:
+        deadline = time.monotonic() + 180
+        while not any(p.wait_for(r"^tokenizer step 3/", 0.2) for p in ps):
+            assert time.monotonic() < deadline and all(p.p.poll() is None for p in ps), ps[0].output + ps[1].output
+        ranks = ranks_of(ps)
+        workers.update(pid for _, pid in ranks.values())
+        os.killpg(ps[ranks[0][0]].pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        rcs = [p.finish(60) for p in ps]
+        took = time.monotonic() - t0
+    finally:
+        for c in workers:
+            with contextlib.suppress(OSError):
+                os.kill(c, signal.SIGKILL)
+        for p in ps:
+            p.kill_group()
+    out = ps[0].output + ps[1].output
+    assert rcs == [0, 0] and took < 30, (rcs, took, out[-4000:])
+    m = re.search(r"tokenizer: preempted \(SIGTERM/SIGINT\); saved step (\d+)\.", out)
+    assert m, out[-4000:]
+    stopped = int(m.group(1))
+    assert 3 <= stopped < 200 and final(tiny.run_dir("nodes"), "tokenizer")["step"] == stopped
+
+    ps = nodes()
+    try:
+        rcs = [p.finish(240) for p in ps]
+    finally:
+        for p in ps:
+            p.kill_group()
+    out = ps[0].output + ps[1].output
+    assert rcs == [0, 0], out[-4000:]
+    assert f"at step {stopped}/200" in out and "tokenizer step 200/200 " in out
+    assert final(tiny.run_dir("nodes"), "tokenizer")["step"] == 200
+
+
+DEAD_CODES = textwrap.dedent("""
+    import json, types, torch
+    import wm.distributed as D
+    from wm.tokenizer import Tokenizer, TokenizerConfig
+    from wm.train import TokenizerStage
+    d = D.init("cpu", 30)
+    torch.manual_seed(0)
+    m = Tokenizer(TokenizerConfig(widths=(8, 16), codebook_size=4, code_dim=8, dead_code_steps=3), 6, (16, 16, 4))
+    before = m.quantizer.codebook.weight.detach().clone()
+    # code 0 was last used 5 forwards ago on rank 0 and just now on rank 1: it is alive;
+    # code 1 has gone unused on both ranks for 4 forwards: it is dead
+    m.quantizer.code_age.copy_(torch.tensor([5, 4, 0, 0]) if d.rank == 0 else torch.tensor([0, 4, 0, 1]))
+    m.quantizer._recent_z = torch.randn(16, 8)
+    TokenizerStage.after_step(types.SimpleNamespace(), m, d, torch.tensor(False))
+    changed = (m.quantizer.codebook.weight != before).any(1).tolist()
+    out = {"changed": changed, "age": m.quantizer.code_age.tolist()}
+    D.close(d)
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_a_code_used_on_any_rank_is_not_reset_as_dead():
+    for o in run_two_ranks(DEAD_CODES, threads=1):
+        assert o["changed"] == [False, True, False, False], o
+        assert o["age"] == [0, 0, 0, 0], o  # the reset code starts afresh; the others: the youngest rank's age

@@ -775,3 +775,73 @@ def test_compiled_passes_the_stage_inductor_options_with_the_mode(mode, monkeypa
             "max-autotune-no-cudagraphs": {"max_autotune": True, "coordinate_descent_tuning": True},
             "max-autotune": {"max_autotune": True, "triton.cudagraphs": True, "coordinate_descent_tuning": True}}[mode]
     assert seen == [{"options": {**want, **opts}}, {"mode": mode}], seen
+
+
+def test_compile_auto_is_on_for_cuda_only_and_the_gpu_presets_use_it(monkeypatch):
+    from wm.config import load as load_config
+    from wm.errors import ConfigError
+
+    cfg = Config()
+    assert cfg.train.compile == "auto"
+    assert T.compiles(cfg, torch.device("cuda")) and not T.compiles(cfg, torch.device("cpu"))
+    for value, want in (("true", True), ("false", False), ("auto", "auto")):
+        assert load_config(None, [f"train.compile={value}"]).train.compile == want
+    assert T.compiles(load_config(None, ["train.compile=true"]), torch.device("cpu"))
+    assert not T.compiles(load_config(None, ["train.compile=false"]), torch.device("cuda"))
+    with pytest.raises(ConfigError, match=r"train\.compile.*'maybe' must be true, false or auto"):
+        load_config(None, ["train.compile=maybe"])
+    for preset in ("occworld", "occworld_20min", "occworld_nuscenes"):
+        c = load_config(str(Path(__file__).resolve().parents[1] / "configs" / f"{preset}.json"))
+        assert T.compiles(c, torch.device("cuda")) and not T.compiles(c, torch.device("cpu")), preset
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: seen.append(kw) or m)
+    model = torch.nn.Linear(2, 2)  # on the CPU: "auto" leaves it eager
+    assert T.compiled(model, cfg, {}) is model and seen == []
+
+
+def test_the_compiled_tokenizer_has_channels_last_weights_as_inductor_runs_its_convolutions(tiny):
+    # Inductor's layout optimisation (tokenizer.compile_channels_last) runs every convolution NHWC and
+    # hands back NHWC weight gradients: NCHW weights would be converted each step and their gradients copied
+    from wm.config import load as load_config
+    from wm.distributed import Dist
+
+    def weights(**over):
+        a = tiny.args(**over)
+        cfg = load_config(None, [v for k, v in zip(a, a[1:]) if k == "--set"])
+        run = T.Run(cfg, Dist())
+        try:
+            return {n: p for n, p in T.TokenizerStage(run).model.named_parameters() if p.ndim == 4}
+        finally:
+            run.log.close()
+            run.close()
+
+    cl = torch.channels_last
+    on = weights(train__compile="true")
+    assert on and all(p.stride() == torch.empty(p.shape, memory_format=cl).stride() for p in on.values())
+    eager = weights(train__compile="auto")  # on the CPU: eager; the decoder alone runs channels-last
+    assert eager["enc_in.weight"].is_contiguous() and not eager["enc_in.weight"].is_contiguous(memory_format=cl)
+    assert eager["decoder.0.conv1.weight"].is_contiguous(memory_format=cl)
+    off = weights(train__compile="true", tokenizer__compile_channels_last="false")
+    assert off["enc_in.weight"].is_contiguous()
+    for n in on:  # the same values either way
+        assert torch.equal(on[n], eager[n]) and torch.equal(on[n], off[n]), n
+
+
+def test_the_first_steps_time_is_logged_apart_and_the_rate_after_it_is_the_steady_one(tiny, monkeypatch, capsys,
+                                                                                        restore_signals):
+    real, calls = T.train_step, []
+
+    def slow_first(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(2.0)  # as a compilation would
+        return real(*a, **kw)
+
+    monkeypatch.setattr(T, "train_step", slow_first)
+    assert T.main(tiny.args(tokenizer_stage__max_steps=3, train__log_every=3)) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"^tokenizer: first step (\d+\.\d) s$", out, re.M)
+    assert m and float(m.group(1)) >= 2.0, out
+    recs = [json.loads(ln) for ln in (tiny.run_dir() / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    rate = [r["perf/samples_per_s"] for r in recs if "perf/samples_per_s" in r]
+    assert len(rate) == 1 and rate[0] > 2 * 2 / 1.0, rate  # steps 2 and 3 of batch 2: not the 2 s of the first

@@ -34,12 +34,24 @@ MAX_RESTARTS=${MAX_RESTARTS:-3}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 cd "$(dirname "$0")/.."
+# torchrun runs in its own session, so a SIGTERM/SIGINT to this node (a preemption, SLURM's
+# --signal, Ctrl-C, kill of this script's process group) reaches the training processes alone: every
+# rank on every node stops at the same step, rank 0 saves, the ranks exit 0, and so do the torchrun
+# agents of all nodes. (torchrun signalled itself would kill its workers and leave the other nodes'
+# agents waiting for it at their exit barrier.)
 set -x
-exec torchrun \
+setsid torchrun \
     --nnodes "$NNODES" \
     --nproc-per-node "$NPROC" \
     --rdzv-backend c10d \
     --rdzv-endpoint "$RDZV_ENDPOINT" \
     --rdzv-id "$RDZV_ID" \
     --max-restarts "$MAX_RESTARTS" \
-    train.py "$@"
+    train.py "$@" &
+agent=$!
+set +x
+trap 'pkill -TERM -P "$agent" || true' TERM INT
+while kill -0 "$agent" 2>/dev/null; do
+    wait "$agent" || true  # returns early when a signal is trapped
+done
+wait "$agent"

@@ -172,7 +172,9 @@ class TrainConfig:
     device: str = "auto"  # auto (CUDA if present) | cuda | cpu
     # auto: bf16 autocast on CUDA and on CPUs with AMX (native bf16 matrices), fp32 on other CPUs
     amp: str = "auto"  # auto | bf16 | fp16 (with GradScaler) | fp32
-    compile: bool = False  # torch.compile the model
+    # auto: on for CUDA (the first step compiles, minutes; the log says how long), off on a CPU,
+    # where compiling costs more than it saves
+    compile: bool | str = "auto"  # torch.compile the models: auto (CUDA only) | true | false
     # reduce-overhead: CUDA graphs (one launch per graph instead of one per kernel; static shapes,
     # more memory); max-autotune: inductor's kernel search (minutes of compilation)
     compile_mode: str = "default"  # torch.compile's mode: default | reduce-overhead | max-autotune[-no-cudagraphs]
@@ -204,6 +206,8 @@ class TrainConfig:
             raise ConfigError("stages", "the tokenizer stage must come before the world stage")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ConfigError("device", f"{self.device!r} must be auto, cuda or cpu")
+        if isinstance(self.compile, str) and self.compile != "auto":
+            raise ConfigError("compile", f"{self.compile!r} must be true, false or auto (on for CUDA, off on a CPU)")
         if self.compile_mode not in COMPILE_MODES:
             raise ConfigError("compile_mode", f"{self.compile_mode!r} must be one of {list(COMPILE_MODES)}")
         if self.amp not in AMP:
@@ -372,11 +376,19 @@ def _type_name(tp) -> str:
 def _coerce(value: Any, tp, key: str) -> Any:
     """A JSON value as field type `tp`, or ConfigError naming key, expected type and value."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):  # Optional[X]
+    if origin in (typing.Union, types.UnionType):  # Optional[X], X | Y: the first type that takes it
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], key)
+        for a in inner[:-1]:
+            try:
+                return _coerce(value, a, key)
+            except ConfigError:
+                pass
+        try:
+            return _coerce(value, inner[-1], key)
+        except ConfigError:
+            raise ConfigError(key, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}") from None
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(key, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")

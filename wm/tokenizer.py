@@ -80,7 +80,7 @@ class TokenizerConfig:
     fused_head: bool = True  # fuse head + losses on CUDA (histogram Lovasz only); false: the torch path
     # channels-last (NHWC) activations and conv weights: what cuDNN's bf16 convolutions run on, so no
     # NCHW <-> NHWC copies around each conv (BENCHMARKS.md, issue 15); the same function either way
-    channels_last: bool = False  # keep activations and conv weights channels-last (NHWC) in memory
+    channels_last: bool = False  # activations and conv weights NHWC throughout; false: the encoder NCHW (the decoder is NHWC)
     # under train.compile: Inductor's layout optimisation, forced on. It lays the activations it writes
     # out channels-last for cuDNN, but its heuristic turns itself off for any model with a convolution
     # that halves the channels (every U-Net decoder), so each conv's backward copied its inputs to NHWC
@@ -542,8 +542,11 @@ class Tokenizer(nn.Module):
         self.dec_out = nn.Conv2d(w0, cin, 3, 1, 1)
         # per-class CE weights (set_class_frequencies); not saved: they follow from the data and config
         self.register_buffer("class_weights", torch.ones(num_classes), persistent=False)
-        if cfg.channels_last:  # conv weights NHWC; .to(device) and load_state_dict keep it
-            self.to(memory_format=torch.channels_last)
+        # conv weights NHWC where the convolutions run NHWC (.to(device) and load_state_dict keep it), so
+        # each weight's gradient comes with the weight's strides (no copy, and DDP's bucket views match).
+        # The decoder always does: it starts from the quantizer's channels-last z_q.
+        for part in [self] if cfg.channels_last else [self.dec_in, self.decoder]:
+            part.to(memory_format=torch.channels_last)
 
     # -- helpers
     @property

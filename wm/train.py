@@ -487,6 +487,9 @@ class TokenizerStage:
                                  dataclasses.replace(fc, max_windows=cfg.data.max_windows))
         torch.manual_seed(cfg.run.seed)  # the initial weights follow run.seed (torch seeds randomly)
         self.model = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
+        if cfg.tokenizer.compile_channels_last and compiles(cfg, run.d.device):
+            # Inductor runs every convolution NHWC: weights laid out so, their gradients come so (no copy)
+            self.model.to(memory_format=torch.channels_last)
         self.class_names = run.manifest.info.class_names
         if cfg.tokenizer.class_weight_power > 0:  # from the training data, the same on every resume
             counts = sample_counts(self.train_ds.shards, self.train_ds.manifest.info, CLASS_COUNT_FRAMES)
@@ -511,8 +514,11 @@ class TokenizerStage:
     def after_step(self, model: nn.Module, d: D.Dist, skipped: torch.Tensor) -> None:
         """Dead-code reset: rank 0 decides from its encoder outputs, every rank gets its codebook
         (DDP does not sync in-place parameter edits). Not after a skipped step (`skipped`, a bool on
-        the device): its encoder outputs may be non-finite."""
+        the device): its encoder outputs may be non-finite. A code's age is the youngest rank's (each
+        rank ages the codes its own batch did not use), so a code in use anywhere is not dead."""
         m = unwrap(model)
+        if d.active and m.quantizer.dead_code_steps > 0:
+            D.all_reduce_(m.quantizer.code_age, d, op="min")
         if d.is_main:
             m.reset_dead_codes(skip=skipped)
         if d.active:
@@ -930,11 +936,16 @@ class StageParts:
     total: int  # optimizer steps of the whole stage
 
 
+def compiles(cfg: Config, device: torch.device) -> bool:
+    """Whether training runs torch.compile'd: train.compile, "auto" meaning on CUDA only."""
+    return device.type == "cuda" if cfg.train.compile == "auto" else bool(cfg.train.compile)
+
+
 def compiled(ddp: nn.Module, cfg: Config, inductor: Optional[dict] = None) -> nn.Module:
     """What the training forward goes through: the (DDP-wrapped) model, torch.compile'd when
-    train.compile, in train.compile_mode, with the stage's Inductor settings (`inductor`, the
-    stage's `inductor_options()`; they hold for this model's compilation only)."""
-    if not cfg.train.compile:
+    train.compile (`compiles`), in train.compile_mode, with the stage's Inductor settings (`inductor`,
+    the stage's `inductor_options()`; they hold for this model's compilation only)."""
+    if not compiles(cfg, next(unwrap(ddp).parameters()).device):
         return ddp
     if isinstance(ddp, nn.parallel.DistributedDataParallel):
         # one graph, the one a single GPU runs: Dynamo's DDP graph splitting hands each piece
@@ -1101,6 +1112,11 @@ def fit(run: Run, stage, device: torch.device, dtype) -> dict:
         # dry; a step that logs, validates or saves reads every outcome first, as does a stop
         log_now, eval_now = step % cfg.train.log_every == 0 or step == total, step % eval_every == 0 or step == total
         save_now = step % cfg.train.ckpt_every == 0 or step == total
+        if step == step_start + 1:  # it compiles (train.compile) and starts the loader: its time apart
+            run.say(f"{stage.name}: first step {time.perf_counter() - t_last:.1f} s"
+                    + (" (torch.compile compiling)" if fwd is not ddp else ""))
+            if not log_now:  # the next logged rate is the steady one, of the steps after it
+                t_last, samples_since, wait_since = time.perf_counter(), 0, 0.0
         while unread and (log_now or eval_now or save_now or preempt or len(unread) > 1):
             j, rj = unread.pop(0)
             skipped, stop = rj.outcome()

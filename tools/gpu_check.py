@@ -1,0 +1,387 @@
+"""GPU self-check: is this machine (driver, CUDA, NCCL, Triton, torch) fit to train wm? One table,
+one row per check, PASS / FAIL / SKIP with a one-line reason; exit status 1 if any row fails.
+
+    python tools/gpu_check.py                                   # about 3-5 minutes on one host
+    python tools/gpu_check.py --data /data/occ3d_nuscenes       # also the shard read speed of a data set
+    python tools/gpu_check.py --cfg configs/occworld.json --set data.grid=64,64,16   # other models
+    python tools/gpu_check.py --device cpu --backend aot_eager  # the same steps on a CPU (gloo; its tests)
+
+Rows:
+  versions    torch, CUDA, cuDNN, NCCL, Triton and the GPUs (name, memory)
+  cuda tests  `pytest -m cuda tests` (the tests that skip themselves without CUDA: the Triton kernels
+              against their references, the sync-free step, pinned checkpoint copies), in a subprocess
+  steps       one training step of each stage (wm.train.train_step, as fit runs it) eager and
+              torch.compile'd from the same weights and batch, on one device: the loss and the gradient
+              norm must agree within --loss-tol / --grad-tol (relative); the compiled step's first call
+              (compilation included) is timed
+  ddp steps   the same under DDP on --ranks processes (torchrun, NCCL; gloo on a CPU) when that many
+              GPUs exist, in 1 MiB gradient buckets (several, as at the occworld sizes with 100 MiB);
+              also fails if DDP warns that a gradient's strides differ from its bucket view's (a copy
+              per step)
+  all-reduce  NCCL all-reduce bus bandwidth (GB/s) of --allreduce-mib MiB among those ranks
+  reads       random windows/s and MB/s read from --data (wm's dataset: the path training uses)
+
+The steps run on a small synthetic data set written to a temporary folder, with the models of --cfg
+(default: the demo's) at their data.grid; each step check runs in its own process, so a CUDA error
+is a FAIL row, not the end of the check. Tolerances: bf16 rounds differently in eager kernels and in
+Inductor's fused ones (about 1e-3 of the loss at initialisation); a wrong layout or a lost gradient
+is off by far more. The children inherit the environment (NCCL_* settings included).
+"""
+
+import argparse
+import copy
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from wm import distributed as D  # noqa: E402
+from wm.errors import WMError, first_line, run_cli  # noqa: E402
+
+CHECKS = ("versions", "tests", "steps", "ddp", "allreduce", "reads")
+RESULT = "GPUCHECK "  # a worker's result line
+
+
+# ---------------------------------------------------------------------------------------------
+# rows
+
+
+def row(name: str, status: str, detail: str) -> dict:
+    return {"check": name, "status": status, "detail": detail}
+
+
+def versions(device: str) -> dict:
+    parts = [f"torch {torch.__version__}", f"CUDA {torch.version.cuda or 'none'}"]
+    if torch.backends.cudnn.is_available():
+        parts.append(f"cuDNN {torch.backends.cudnn.version()}")
+    try:
+        import triton
+
+        parts.append(f"Triton {triton.__version__}")
+    except ImportError:
+        parts.append("Triton none")
+    if device == "cpu":
+        return row("versions", "PASS", ", ".join(parts) + f"; CPU {platform.processor() or platform.machine()}, "
+                   f"{os.cpu_count()} cores (--device cpu)")
+    if not torch.cuda.is_available():
+        return row("versions", "FAIL", ", ".join(parts) + "; no CUDA device is visible (driver, "
+                   "CUDA_VISIBLE_DEVICES, or a CPU build of torch)")
+    nccl = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else None
+    parts.append("NCCL " + (".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)))
+    gpus = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    names = {}
+    for g in gpus:
+        key = f"{g.name} {g.total_memory / 2**30:.0f} GiB sm_{g.major}{g.minor}"
+        names[key] = names.get(key, 0) + 1
+    return row("versions", "PASS", ", ".join(parts) + "; " + ", ".join(f"{n}x {k}" for k, n in names.items()))
+
+
+def cuda_tests(device: str, timeout: float) -> dict:
+    if device == "cpu":
+        return row("cuda tests", "SKIP", "no CUDA here: those tests skip themselves (pytest -m cuda)")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests", "-p", "no:cacheprovider"]
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return row("cuda tests", "FAIL", f"pytest -m cuda did not end within {timeout:.0f} s")
+    out = r.stdout.strip().splitlines()
+    summary = out[-1] if out else r.stderr.strip()[-200:]
+    if r.returncode == 5:  # none collected: no Triton, and no other CUDA test ran
+        return row("cuda tests", "FAIL", f"no CUDA test was collected ({summary})")
+    failed = [ln.split(" ", 1)[1] for ln in out if ln.startswith(("FAILED ", "ERROR "))]
+    if r.returncode != 0:
+        return row("cuda tests", "FAIL", f"{summary}; first: {failed[0][:160] if failed else r.stderr[-200:]}")
+    return row("cuda tests", "PASS", summary)
+
+
+def reads(data: str, cfg, seconds: float) -> dict:
+    """Random windows of `data` through OccWindows (shards -> dataset, as training reads them)."""
+    from wm.config import DataConfig
+    from wm.data import OccWindows
+    from wm.shards import load_manifest
+
+    try:
+        m = load_manifest(data)
+        split = cfg.data.train_split if m.split(cfg.data.train_split) else m.shards[0]["split"]
+        info = m.info
+        dc = DataConfig(grid=info.grid, num_classes=info.num_classes, free_class=info.free_class,
+                        past=cfg.data.past, future=cfg.data.future, stride=cfg.data.stride,
+                        train_split=split)
+        ds = OccWindows(data, split, dc)
+        rng = np.random.default_rng(0)
+        ds[int(rng.integers(len(ds)))]  # opening the shards is not read speed
+        n, t0, nbytes = 0, time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds and n < 2000:
+            nbytes += ds[int(rng.integers(len(ds)))]["occ"].numel()
+            n += 1
+        dt = time.perf_counter() - t0
+    except (WMError, OSError) as e:
+        return row("reads", "FAIL", f"{data}: {first_line(str(e))}")
+    return row("reads", "PASS", f"{n / dt:.1f} windows/s, {nbytes / dt / 1e6:.0f} MB/s of occupancy "
+               f"({dc.window}-frame windows of split {split!r}, 1 process, {len(ds)} windows)")
+
+
+# ---------------------------------------------------------------------------------------------
+# the step checks: a worker process (alone, or one of --ranks under torchrun)
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "tools" / "bench_train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def worker(a) -> int:
+    """Each stage: one step eager, one compiled, same weights and batch; with --allreduce-mib the
+    bus bandwidth. Rank 0 prints one RESULT line."""
+    import wm.train as T
+    from wm.config import load as load_config
+
+    B = load_bench()
+    cfg = load_config(a.cfg, a.set)
+    d = D.init(cfg.train.device, cfg.train.timeout_s)
+    out: dict = {"stages": {}, "world_size": d.world_size}
+    try:
+        device = d.device
+        dtype = T.amp_dtype(cfg, device)
+        if a.backend != "inductor":  # CPU tests: the same capture, without Inductor's compile time
+            real = T.compiled
+            T.compiled = lambda ddp, c, inductor=None: (torch.compile(ddp, backend=a.backend)
+                                                        if T.compiles(c, device) else real(ddp, c, inductor))
+        run = T.Run(cfg, d)
+        run.say = lambda *x, **k: None
+        for name in cfg.train.stages:
+            if name == "world":
+                B.ensure_tokenizer_checkpoint(run, d)
+            res = {}
+            for mode in ("eager", "compiled"):
+                c = copy.deepcopy(cfg)
+                c.train.compile = mode == "compiled"
+                vrun = copy.copy(run)
+                vrun.cfg = c
+                stage = T.TokenizerStage(vrun) if name == "tokenizer" else T.WorldStage(vrun, device, dtype)
+                runner = B.Runner(stage, c, d, device, dtype)
+                try:
+                    with warnings.catch_warnings(record=True) as seen:
+                        warnings.simplefilter("always")
+                        t0 = time.perf_counter()
+                        r = runner.step()
+                        loss, gnorm = float(r.terms["loss"]), float(r.grad_norm)
+                        took = time.perf_counter() - t0
+                finally:
+                    runner.close()
+                strides = [first_line(str(w.message)) for w in seen if "bucket view strides" in str(w.message)]
+                res[mode] = {"loss": loss, "grad_norm": gnorm, "seconds": took, "stride_warnings": strides}
+            out["stages"][name] = res
+        if a.allreduce_mib > 0 and d.active:
+            out["allreduce"] = allreduce_busbw(d, a.allreduce_mib)
+        run.log.close()
+        run.close()
+    finally:
+        D.close(d)
+    if d.is_main:
+        print(RESULT + json.dumps(out), flush=True)
+    return 0
+
+
+def allreduce_busbw(d: D.Dist, mib: float) -> dict:
+    """NCCL-tests' bus bandwidth of an fp32 all-reduce: bytes / time x 2 (n - 1) / n, best of the timed runs."""
+    t = torch.ones(int(mib * 2**20 / 4), device=d.device)
+    sync = torch.cuda.synchronize if d.device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        D.all_reduce_(t, d)
+    sync()
+    best = math.inf
+    for _ in range(10 if d.device.type == "cuda" else 3):
+        t0 = time.perf_counter()
+        D.all_reduce_(t, d)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    n = d.world_size
+    return {"mib": mib, "seconds": best, "busbw_gbs": t.numel() * 4 / best * 2 * (n - 1) / n / 1e9}
+
+
+def step_rows(label: str, res: dict, a) -> list[dict]:
+    """PASS/FAIL rows of a worker's result: loss and gradient norm of compiled vs eager per stage."""
+    rows = []
+    for name, r in res["stages"].items():
+        e, c = r["eager"], r["compiled"]
+        dl = abs(c["loss"] - e["loss"]) / max(abs(e["loss"]), 1e-12)
+        dg = abs(c["grad_norm"] - e["grad_norm"]) / max(abs(e["grad_norm"]), 1e-12)
+        warn = e["stride_warnings"] + c["stride_warnings"]
+        text = (f"loss {e['loss']:.5g} eager / {c['loss']:.5g} compiled (rel {dl:.1e}), grad norm "
+                f"{e['grad_norm']:.5g} / {c['grad_norm']:.5g} (rel {dg:.1e}); compiled first step {c['seconds']:.1f} s")
+        ok = dl <= a.loss_tol and dg <= a.grad_tol and all(map(math.isfinite, (e["loss"], c["loss"])))
+        if warn:
+            ok, text = False, f"DDP: {warn[0][:120]}; " + text
+        elif not ok:
+            text = f"beyond --loss-tol {a.loss_tol:g} / --grad-tol {a.grad_tol:g}: " + text
+        rows.append(row(f"{label} {name}", "PASS" if ok else "FAIL", text))
+    return rows
+
+
+def run_worker(a, work: Path, ranks: int, tag: str) -> tuple:
+    """The worker in a subprocess (torchrun when ranks > 1): (its result or None, the last lines)."""
+    args = ["--worker", "--backend", a.backend, "--allreduce-mib", str(a.allreduce_mib if ranks > 1 else 0)]
+    if a.cfg:
+        args += ["--cfg", a.cfg]
+    # 1 MiB DDP buckets: several, as at the occworld sizes with 100 MiB
+    sets = ["train.ddp_bucket_mib=1"] + list(a.set) + [f"data.root={work / 'data'}", f"run.out_dir={work / tag}", "run.name=check",
+                          f"train.device={a.device}", "train.tensorboard=false", "train.images=false",
+                          "data.num_workers=0", f"tokenizer_stage.batch_size={a.batch}",
+                          f"world_stage.batch_size={a.batch}", "tokenizer_stage.grad_accum=1",
+                          "world_stage.grad_accum=1"]
+    for kv in sets:
+        args += ["--set", kv]
+    script = str(Path(__file__).resolve())
+    if ranks > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+               "--master_port", str(free_port()), script, *args]
+    else:
+        cmd = [sys.executable, script, *args]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")  # NCCL_* and the like pass through
+    env.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=a.step_timeout)
+        text = r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return None, f"did not end within {a.step_timeout:.0f} s (--step-timeout); last output: {tail(text)}"
+    for ln in text.splitlines():
+        if ln.startswith(RESULT):
+            return json.loads(ln[len(RESULT):]), ""
+    return None, f"exit status {r.returncode}: {tail(text)}"
+
+
+def tail(text: str) -> str:
+    """The most telling line of a failed child's output: its error, else its last line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errs = [ln for ln in lines if re.search(r"(Error|error:|CUDA error|Exception)", ln)]
+    return (errs[-1] if errs else lines[-1] if lines else "(no output)")[:240]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_data(work: Path, a) -> None:
+    """A small synthetic data set at the config's grid: enough windows for --batch on --ranks ranks."""
+    from wm.config import load as load_config
+    from wm.synthetic import write_synthetic
+
+    cfg = load_config(a.cfg, a.set)
+    write_synthetic(work / "data", train_scenes=2 * max(a.ranks, 1), val_scenes=1,
+                    frames=cfg.data.span + 2 * a.batch, grid=tuple(cfg.data.grid), kind="memmap", style="blocks")
+
+
+def table(rows: list[dict]) -> str:
+    w = max(len(r["check"]) for r in rows)
+    return "\n".join(f"{r['check']:<{w}}  {r['status']:<4}  {r['detail']}" for r in rows)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cuda (default where present) or cpu (gloo ranks; skips what has no CPU meaning)")
+    ap.add_argument("--cfg", help="config whose models and grid the steps use (default: the demo's)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
+    ap.add_argument("--data", help="a data set folder whose read speed to measure (reads row; else skipped)")
+    ap.add_argument("--checks", default=",".join(CHECKS), help=f"subset of {','.join(CHECKS)}")
+    ap.add_argument("--ranks", type=int, default=2, help="DDP processes of the ddp and all-reduce rows")
+    ap.add_argument("--batch", type=int, default=2, help="samples per rank of the step checks")
+    ap.add_argument("--loss-tol", type=float, default=2e-2, help="relative loss difference allowed, compiled vs eager")
+    ap.add_argument("--grad-tol", type=float, default=5e-2, help="relative gradient-norm difference allowed")
+    ap.add_argument("--allreduce-mib", type=float, default=256.0, help="all-reduce size (MiB, fp32)")
+    ap.add_argument("--backend", default="inductor",
+                    help="torch.compile backend of the steps (inductor, what training uses; aot_eager for quick CPU tests)")
+    ap.add_argument("--step-timeout", type=float, default=240.0, help="seconds each step check may take")
+    ap.add_argument("--read-seconds", type=float, default=5.0, help="seconds of reading in the reads row")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.checks = [c for c in a.checks.split(",") if c]
+    bad = [c for c in a.checks if c not in CHECKS]
+    if bad:
+        ap.error(f"unknown check {bad}; choose from {','.join(CHECKS)}")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.worker:
+        return worker(a)
+    from wm.config import load as load_config
+
+    cfg = load_config(a.cfg, a.set)  # a bad --cfg / --set is one line before anything runs
+    t_start = time.perf_counter()
+    rows: list[dict] = []
+    gpus = torch.cuda.device_count() if a.device == "cuda" else 0
+    ranks_ok = a.device == "cpu" or gpus >= a.ranks
+    if "versions" in a.checks:
+        rows.append(versions(a.device))
+    if "tests" in a.checks:
+        rows.append(cuda_tests(a.device, timeout=300))
+    want = [c for c in ("steps", "ddp", "allreduce") if c in a.checks]
+    if want and a.device == "cuda" and not gpus:
+        rows += [row(c, "FAIL", "no CUDA device") for c in want]
+        want = []
+    work = Path(tempfile.mkdtemp(prefix="wm-gpu-check-"))
+    try:
+        if want:
+            make_data(work, a)
+        if "steps" in want:
+            res, why = run_worker(a, work, 1, "one")
+            rows += step_rows("steps 1 " + a.device, res, a) if res else [row("steps", "FAIL", why)]
+        if ("ddp" in want or "allreduce" in want) and not ranks_ok:
+            rows += [row(c, "SKIP", f"{gpus} GPU(s): fewer than --ranks {a.ranks}")
+                     for c in ("ddp", "allreduce") if c in want]
+        elif "ddp" in want or "allreduce" in want:
+            res, why = run_worker(a, work, a.ranks, "ddp")
+            label = f"ddp {a.ranks}x{a.device}"
+            if res is None:
+                rows += [row(label, "FAIL", why)]
+            else:
+                if "ddp" in want:
+                    rows += step_rows(label, res, a)
+                if "allreduce" in want:
+                    bw = res.get("allreduce")
+                    rows.append(row("all-reduce", "PASS", f"{bw['busbw_gbs']:.1f} GB/s bus bandwidth, "
+                                    f"{bw['mib']:g} MiB fp32 on {a.ranks} ranks "
+                                    f"({'NCCL' if a.device == 'cuda' else 'gloo'}), best of the timed runs")
+                                if bw else row("all-reduce", "FAIL", "no figure came back"))
+        if "reads" in a.checks:
+            rows.append(reads(a.data, cfg, a.read_seconds) if a.data else
+                        row("reads", "SKIP", "give --data DIR to time a data set's reads"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(table(rows))
+    failed = [r for r in rows if r["status"] == "FAIL"]
+    print(f"{len(rows) - len(failed)} of {len(rows)} rows pass or skip, {len(failed)} fail "
+          f"({time.perf_counter() - t_start:.0f} s)")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"rows": rows, "torch": torch.__version__}, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
