@@ -80,6 +80,10 @@ def export(argv, progress: dict) -> int:
     ap.add_argument("--engine", choices=("auto", "torch", "onnxruntime"), default="auto",
                     help="what runs calibration and the report: torch (the exported programs; on the GPU) "
                          "or onnxruntime (CPU); auto: torch where a GPU is present")
+    ap.add_argument("--time-budget", type=float, default=0, metavar="MIN",
+                    help="with --int8: after the first calibration window, stop with the --calib-windows and "
+                         "--eval-windows that fit this many minutes if the estimate is over it (the estimate "
+                         "is printed either way)")
     ap.add_argument("--parity-windows", type=int, default=2,
                     help="with the torch engine: windows the report also runs in onnxruntime, for parity")
     ap.add_argument("--trt-version", default="10.3.0", help="TensorRT version in the calibration cache header")
@@ -171,7 +175,8 @@ def export(argv, progress: dict) -> int:
                 progress["done"].append(done)
 
         full = run_int8(t, out, a.calib_windows, a.eval_windows, batch=a.batch, trt_version=a.trt_version,
-                        engine=a.engine, programs=programs, parity_windows=a.parity_windows, mark=mark)
+                        engine=a.engine, programs=programs, parity_windows=a.parity_windows, mark=mark,
+                        budget_s=60 * a.time_budget)
         report["int8"] = full["int8"]
         secs.update({f"int8_{k}": v for k, v in full["int8"]["seconds"].items() if k != "total"})
     if not a.no_trt:

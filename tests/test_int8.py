@@ -645,3 +645,29 @@ def test_onnxruntime_int8_copy_computes_its_onnx_semantics_on_an_avx2_cpu(run, t
                 assert np.abs(x - y).max() <= 1e-4 * max(1.0, np.abs(y).max()), g
             else:
                 assert (x == y).mean() >= 0.99, g
+
+
+def test_time_estimate_and_budget():
+    # 10 s a window: 2 passes x 30 windows = 10 min of calibration, 4 rows x 20 windows = 13 min of report
+    line = I.time_estimate(30, 20, 4, 10.0)
+    assert "calibration about 10 min (30 windows, 2 passes), report about 13 min (20 windows x 4 rows)" in line
+    assert I.time_estimate(30, 20, 4, 10.0, budget_s=3600) == line  # fits
+    with pytest.raises(WMError, match=r"about 23 min, over --time-budget 4 min: rerun with --calib-windows 4 "
+                                      r"--eval-windows 3"):  # 230 / 1400 of each
+        I.time_estimate(30, 20, 4, 10.0, budget_s=230)
+
+
+def test_export_says_its_time_before_the_long_phases_and_keeps_to_a_budget(run, tmp_path):
+    out = tmp_path / "x"
+    shutil.copytree(run.out, out, ignore=shutil.ignore_patterns("*.int8*", "*.calib.*", "report.json"))
+    lines = []
+    with pytest.raises(WMError, match="over --time-budget .*: rerun with --calib-windows 1 --eval-windows 1"):
+        I.run_int8(run.trained, out, calib_windows=8, eval_windows=0, batch=4, log=lines.append,
+                   engine="onnxruntime", budget_s=1e-6)
+    est = [ln for ln in lines if ln.startswith("estimate from the first window")]
+    assert len(est) == 0 and not list(out.glob("*.int8*"))  # stopped before any INT8 file
+    lines.clear()
+    I.run_int8(run.trained, out, calib_windows=4, eval_windows=2, batch=2, log=lines.append, engine="onnxruntime")
+    est = [ln for ln in lines if ln.startswith("estimate from the first window")]
+    assert len(est) == 1 and "(4 windows, 2 passes)" in est[0] and "(2 windows x 5 rows)" in est[0], est
+    assert lines.index(est[0]) < next(i for i, ln in enumerate(lines) if "pass 2/2" in ln)

@@ -22,8 +22,9 @@ engine's device): memory does not grow with the number of windows.
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -144,19 +145,27 @@ class _HistTap:
 
 
 def collect(make_engine: Callable[[Callable], Callable], wanted: Mapping[str, Sequence[str]], cfg, ds,
-            idx: np.ndarray, batch: int, log: Callable[[str], None] = print) -> dict[str, HistogramCollector]:
+            idx: np.ndarray, batch: int, log: Callable[[str], None] = print,
+            first: Optional[Callable[[float], None]] = None) -> dict[str, HistogramCollector]:
     """{graph: HistogramCollector} of the `wanted` tensors ({graph: [tensor names]}) over the
     windows `idx` of `ds`, in two streamed passes. `make_engine(taps)` returns an engine that calls
-    taps(graph, name, value) with its values (ProgramGraphs, or TappedOrt)."""
+    taps(graph, name, value) with its values (ProgramGraphs, or TappedOrt). `first(seconds per
+    window)` is called once the first batch has run (export.py's time estimate)."""
     n_batches = (len(idx) + batch - 1) // batch
+    tap1 = _MaxTap(wanted)
+
     def one_pass(tap, what: str):
+        nonlocal first
         run = make_engine(tap)
         p = Progress(f"calibration {what}", len(idx), "windows", log)
         for b in batches(ds, idx, batch):
+            t0 = time.perf_counter()
             calibrate_batch(run, cfg, b["occ"], b["motion"])
             p.step(len(b["occ"]))
+            if first is not None and tap is tap1:
+                first((time.perf_counter() - t0) / len(b["occ"]))
+                first = None
 
-    tap1 = _MaxTap(wanted)
     one_pass(tap1, "pass 1/2 (ranges)")
     ranges = tap1.maxima()
     tap2 = _HistTap(ranges)

@@ -46,7 +46,7 @@ from wm.export.collect import TappedOrt, collect, windows
 from wm.export.qdq import (FLOAT_OP_TYPES, HEAD_SCOPES, ORT_WEIGHT_MAX, QUANT_OP_TYPES, Int8Error, _load,  # noqa: F401
                            _scope, cpu_copy, exact_range_tensors, output_heads, qdq_scales, quantizable_inputs,
                            quantize_qdq)
-from wm.export.report import CPU_INT8, GRAPHS as GRAPH_NAMES, accuracy_report, format_report  # noqa: F401
+from wm.export.report import CPU_INT8, GRAPHS as GRAPH_NAMES, accuracy_report, format_report, graph_files  # noqa: F401
 
 
 __all__ = ["FLOAT_OP_TYPES", "HEAD_SCOPES", "QUANT_OP_TYPES", "GRAPH_NAMES", "Int8Error", "quantizable_inputs",
@@ -153,7 +153,8 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
                 root=None, split: Optional[str] = None, method: str = "entropy",
                 exclude_scopes: Optional[str] = None, workers: int = 0, engine: str = "auto",
                 programs: Optional[Mapping] = None, log: Callable[[str], None] = print,
-                mark: Optional[Callable[[str], object]] = None) -> dict:
+                mark: Optional[Callable[[str], object]] = None,
+                first_window: Optional[Callable[[int, float], None]] = None) -> dict:
     """For each graph `<name>.onnx` in `out_dir` (written by the FP32 export): collect histograms on
     `calib_windows` training windows (engine: see :func:`pick_engine`; "torch" needs `programs`,
     the exported programs export_graph returned), pick the thresholds (`method`: "entropy" =
@@ -165,7 +166,8 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
 
     `exclude_scopes`: a regex on module paths (e.g. r"\\.temporal\\.") whose Conv/MatMul nodes stay
     float as well. `workers`: processes for the threshold search (0: one per CPU, at most 16).
-    `mark(phase)` is called at the end of each phase (export.py's per-phase memory peaks)."""
+    `mark(phase)` is called at the end of each phase (export.py's per-phase memory peaks);
+    `first_window(windows, seconds per window)` once the first calibration batch has run."""
     out_dir = Path(out_dir)
     mark = mark or (lambda phase: None)
     if method not in ("entropy", "percentile", "max"):
@@ -210,7 +212,8 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
         def make(taps):
             return TappedOrt({g: out_dir / f"{g}.onnx" for g in GRAPH_NAMES}, wanted, taps)
     t1 = time.perf_counter()
-    cols = collect(make, wanted, cfg, ds, idx, int(batch), log)
+    cols = collect(make, wanted, cfg, ds, idx, int(batch), log,
+                   first=(lambda sec: first_window(len(idx), sec)) if first_window else None)
     t_hist = time.perf_counter() - t1
     mark("int8_histograms")
     res = {"calibration": {"split": split, "windows": int(len(idx)), "batch": int(batch), "method": method,
@@ -283,19 +286,46 @@ def check_windows(trained, calib_windows: int, eval_windows: int, root=None, spl
     return len(ci), len(ei)
 
 
+def time_estimate(calib: int, evals: int, rows: int, sec: float, budget_s: float = 0.0) -> str:
+    """The INT8 step's time from one calibration window's seconds: two calibration passes over
+    `calib` windows, then `rows` report rows over `evals` windows, each about a calibration window's
+    work. With a budget it is exceeded, Int8Error naming the window counts that fit it."""
+    def fmt(x: float) -> str:
+        return f"{x / 60:.0f} min" if x >= 120 else f"{x:.0f} s"
+
+    cal_s, rep_s = 2 * calib * sec, rows * evals * sec
+    line = (f"estimate from the first window ({sec:.1f} s each): calibration about {fmt(cal_s)} "
+            f"({calib} windows, 2 passes), report about {fmt(rep_s)} ({evals} windows x {rows} rows)")
+    if budget_s > 0 and cal_s + rep_s > budget_s:
+        f = budget_s / (cal_s + rep_s)
+        raise Int8Error(f"the INT8 step would take about {fmt(cal_s + rep_s)}, over --time-budget "
+                        f"{fmt(budget_s)}: rerun with --calib-windows {max(1, int(calib * f))} "
+                        f"--eval-windows {max(1, int(evals * f))} (about that long), or a larger budget")
+    return line
+
+
 def run_int8(trained, out_dir, calib_windows: int = 128, eval_windows: int = 64, batch: int = 2,
              trt_version: str = "10.3.0", log: Callable[[str], None] = print, engine: str = "auto",
              programs: Optional[Mapping] = None, parity_windows: int = 2,
-             mark: Optional[Callable[[str], object]] = None, **kw) -> dict:
+             mark: Optional[Callable[[str], object]] = None, budget_s: float = 0.0, **kw) -> dict:
     """`export.py --int8` after the FP32 (and FP16) export into `out_dir`: int8_export (Q/DQ ONNX +
     calibration caches of every graph), accuracy_report on the VAL split, `report.json` written
     atomically, the table printed through `log`. Returns what report.json holds: {"checkpoint",
     "data_fingerprint", "int8": int8_export's dict, "accuracy": accuracy_report's dict}.
 
-    `kw` goes to int8_export (root, split, method, exclude_scopes, workers)."""
+    `budget_s` (> 0): stop after the first calibration batch, with the window counts that fit,
+    when the estimate is over it. `kw` goes to int8_export (root, split, method, exclude_scopes,
+    workers)."""
     out_dir = Path(out_dir)
+    _, ev, _ = windows(trained, kw.get("root"), trained.cfg.data.val_split, eval_windows, "--eval-windows",
+                       lambda s: None)
+    rows = 1 + sum(all(p.is_file() for p in graph_files(out_dir, k).values()) for k in ("", ".fp16")) + 2
+
+    def estimate(calib: int, sec: float) -> None:
+        log(time_estimate(calib, len(ev), rows, sec, budget_s))
+
     q = int8_export(trained, out_dir, calib_windows, batch=batch, trt_version=trt_version, log=log,
-                    engine=engine, programs=programs, mark=mark, **kw)
+                    engine=engine, programs=programs, mark=mark, first_window=estimate, **kw)
     eng, dev = pick_engine(engine, "report")
     if q["calibration"]["engine"] == "onnxruntime" and engine == "auto":
         eng, dev = "onnxruntime", "cpu"  # the programs did not match the files: see int8_export's note
