@@ -392,6 +392,7 @@ def session(path: Path, threads: int = 0, qdq_in_float: bool = False):
 
     so = ort.SessionOptions()
     so.enable_cpu_mem_arena = False
+    so.log_severity_level = 3  # its notes on its own graph optimisations (constant folding) are not the user's
     if qdq_in_float:
         so.add_session_config_entry("session.disable_quant_qdq", "1")
     if threads:
