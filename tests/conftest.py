@@ -38,6 +38,7 @@ TINY_SETTINGS = {
     "data.future": "2",
     "data.num_workers": "0",
     "tokenizer.widths": "8,8,8",
+    "tokenizer.mid_attention": "true",  # the export tests need the attention's MatMuls
     "tokenizer.codebook_size": "16",
     "tokenizer.code_dim": "8",
     "tokenizer.dead_code_steps": "2",  # resets draw from the torch RNG: exact resume must cover it

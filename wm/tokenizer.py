@@ -66,7 +66,8 @@ class TokenizerConfig:
     widths: tuple[int, ...] = (16, 32, 64)  # one per level; L levels: a token per 2**(L-1) columns in X and Y
     blocks_per_level: int = 1  # ResBlocks per level (encoder and decoder)
     attn_heads: int = 1  # heads of the spatial attention at the lowest resolution
-    lowest_attention: bool = True  # attention after every block of the lowest level (mid attn always)
+    lowest_attention: bool = True  # attention after every block of the lowest level
+    mid_attention: bool = True  # attention between the two middle blocks of the encoder and decoder
     codebook_size: int = 128  # number of codes K
     code_dim: int = 32  # dim of each code
     commitment: float = 0.25  # beta: VQ loss = |sg(z)-e|^2 + beta * |z-sg(e)|^2
@@ -517,7 +518,7 @@ class Tokenizer(nn.Module):
                     enc.append(AttnBlock(c, cfg.attn_heads))
             if level < low:
                 enc.append(Downsample(c))
-        enc += [ResBlock(c, c), AttnBlock(c, cfg.attn_heads), ResBlock(c, c)]
+        enc += [ResBlock(c, c), *([AttnBlock(c, cfg.attn_heads)] if cfg.mid_attention else []), ResBlock(c, c)]
         self.encoder = nn.ModuleList(enc)
         self.enc_norm = norm(w2)
         self.enc_out = nn.Conv2d(w2, cfg.code_dim, 3, 1, 1)
@@ -526,7 +527,8 @@ class Tokenizer(nn.Module):
 
         # decoder (mirror)
         self.dec_in = nn.Conv2d(cfg.code_dim, w2, 3, 1, 1)
-        dec: list[nn.Module] = [ResBlock(w2, w2), AttnBlock(w2, cfg.attn_heads), ResBlock(w2, w2)]
+        dec: list[nn.Module] = [ResBlock(w2, w2), *([AttnBlock(w2, cfg.attn_heads)] if cfg.mid_attention else []),
+                                ResBlock(w2, w2)]
         c = w2
         for level in reversed(range(len(cfg.widths))):
             w = cfg.widths[level]
