@@ -11,7 +11,7 @@ np.savez_compressed file per frame: the baseline). The same random windows (past
 of one scene) are then read through wm's dataset (`OccWindows`: the path training uses, class
 check and ego motion included), single process and through a DataLoader with worker processes.
 Reported: bytes on disk per frame, windows/s and MB/s of raw occupancy delivered, and the speed-up
-over the npz baseline. Targets (DESIGN §7): memmap >= 10x the npz baseline; the default HDF5
+over the npz baseline. Targets (docs/ARCHITECTURE.md): memmap >= 10x the npz baseline; the default HDF5
 compression >= 2x at >= 30x fewer bytes than raw.
 """
 

@@ -59,7 +59,7 @@ where an epoch is 5 random windows per nuScenes train scene (`nuScenesSceneDatas
 700 x 5 = 3500 samples), 10-frame samples for the tokenizer (7.0 M frames in all) and 16-frame
 windows for the world model (700 k windows). Hours = those counts over the best measured samples/s
 of each stage; GPU-hours = hours x GPUs. OccWorld's own code at 67.6 frames/s and 5.0 windows/s
-(DESIGN.md §7, H200) needs 28.8 + 38.9 = 67.7 H200-hours by the same count. The world model's cost
+(measured on one H200) needs 28.8 + 38.9 = 67.7 H200-hours by the same count. The world model's cost
 grows with the window: for the like-for-like figure run with 16-frame windows
 (`--set data.future=11` with data.past=5); otherwise the report also scales the world hours by
 15 / (input frames) as a rough figure.
@@ -99,7 +99,7 @@ WORLD_ONLY = ("onthefly", "onthefly-fp32-b1")
 # OccWorld's recipe as its code counts it (see the module docstring)
 OCCWORLD = {"train_scenes": 700, "samples_per_scene": 5, "tokenizer_epochs": 200, "world_epochs": 200,
             "tokenizer_frames_per_sample": 10, "world_window_frames": 16,
-            # OccWorld's own code, one H200 (DESIGN.md §7): fp32 batch 1
+            # OccWorld's own code, one H200: fp32 batch 1
             "ref_card": "H200", "ref_tokenizer_frames_per_s": 67.6, "ref_world_samples_per_s": 5.0}
 TARGETS = {"speedup_vs_occworld": 10.0, "mfu": 0.30, "gpu_hours": 8.0, "data_wait": 0.05,
            "ckpt_blocked_ratio": 0.10, "ckpt_act_mem_ratio": 1 / 3, "ckpt_time_ratio": 1.25, "ddp_scaling": 1.9}

@@ -1,4 +1,4 @@
-"""Atomic, rotating, asynchronous checkpoints and the exact-resume state helpers (DESIGN.md §5).
+"""Atomic, rotating, asynchronous checkpoints and the exact-resume state helpers (docs/ARCHITECTURE.md, Invariants).
 
 Layout of a checkpoints folder (``runs/<name>/<stage>/checkpoints/``)::
 

@@ -14,7 +14,7 @@ Both all-reduce their counts (every rank calls them with its share of the window
 pure functions of the counts (`recon_report`, `forecast_report`), so a fabricated case can be
 checked by hand through the same code the CLI runs.
 
-The protocol (DESIGN.md §4; OccWorld eval_metric_stp3.py with config/occworld.py): 5 past frames
+The protocol (OccWorld eval_metric_stp3.py with config/occworld.py): 5 past frames
 (2 s at 2 Hz) -> 6 future frames; report the future frames at 1 s, 2 s and 3 s and their average;
 no visibility mask; classes absent from the ground truth count as IoU 100 % (`--mode occworld`, the
 default here; `--mode exclude` leaves them out, as the training-time validation does). The future

@@ -1399,7 +1399,7 @@ def main(argv=None) -> int:
             for name in cfg.train.stages:
                 stage = TokenizerStage(run) if name == "tokenizer" else WorldStage(run, device, dtype)
                 results[name] = fit(run, stage, device, dtype)
-            # DESIGN §5: hparams with the final metrics (rank 0's logger only; a failure warns)
+            # hparams with the final metrics (rank 0's logger only; a failure warns)
             run.log.hparams({f"{sec}.{k}": v for sec, kv in to_dict(cfg).items() for k, v in kv.items()},
                             {f"{n}/{k}": v for n, r in results.items() for k, v in r.items()})
         except Preempted:

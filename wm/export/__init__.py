@@ -1,1 +1,1 @@
-"""Deployment: ONNX export, FP16, INT8 calibration and TensorRT engines (DESIGN.md section 6)."""
+"""Deployment: ONNX export, FP16, INT8 calibration and TensorRT engines (docs/ARCHITECTURE.md)."""

@@ -1,5 +1,5 @@
 """INT8 deployment: our own entropy calibration -> Q/DQ ONNX + TensorRT calibration cache, and the
-accuracy report (DESIGN.md section 6). The steps live in their own modules; this one runs them.
+accuracy report (docs/ARCHITECTURE.md). The steps live in their own modules; this one runs them.
 
 TensorRT 11 removed implicit INT8 calibration and 10.x deprecated it, so the thresholds are computed
 here (``wm.export.calib``: pytorch-quantization's ``_compute_amax_entropy``, the public reference of

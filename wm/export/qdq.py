@@ -1,5 +1,5 @@
 """Q/DQ graph work: which tensors an INT8 graph quantizes, which nodes stay float, and the Q/DQ ONNX
-itself (DESIGN.md section 6).
+itself (docs/ARCHITECTURE.md).
 
 - :func:`quantizable_inputs`: every float tensor that feeds a Conv/ConvTranspose/MatMul/Gemm as a
   data input; :func:`output_heads`: the nodes that stay float because their values are the answer;

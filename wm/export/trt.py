@@ -1,4 +1,4 @@
-"""TensorRT engines from our Q/DQ ONNX: build, save, run with torch CUDA tensors (DESIGN.md §6).
+"""TensorRT engines from our Q/DQ ONNX: build, save, run with torch CUDA tensors (docs/ARCHITECTURE.md, Export).
 
 `tensorrt` is imported lazily, inside the functions, so that this module (and ``export.py``) loads
 where TensorRT is absent; :func:`available` says whether it can be used here and, if not, why, and
