@@ -178,14 +178,11 @@ def tiny(tmp_path_factory) -> Tiny:
 
 @pytest.fixture
 def restore_signals():
-    """wm.train.main installs SIGTERM/SIGINT handlers and a global stop flag: put them back."""
-    import wm.train as T
-
+    """wm.train.main installs SIGTERM/SIGINT handlers: put them back."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     yield
     for s, h in saved.items():
         signal.signal(s, h)
-    T._STOP.update(flag=False, count=0)
 
 
 @pytest.fixture(scope="session")
@@ -207,7 +204,6 @@ def trained_tiny(tiny_factory):
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
-        T._STOP.update(flag=False, count=0)
     return t
 
 

@@ -1,7 +1,6 @@
 """tools/bench_train.py on a CPU: the figures it writes, and that the step it times is train.py's step
-(wm.train.train_step equals the loop body it was extracted from, and the bench's set-up equals fit's)."""
+(the bench's set-up and wm.loop.train_step reproduce fit bitwise)."""
 
-import contextlib
 import importlib.util
 import json
 import math
@@ -11,10 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import wm.loop as L
 import wm.train as T
 from wm import distributed as D
 from wm.checkpoint import latest_checkpoint, load
 from wm.config import load as load_config
+from wm.run import Run
+from wm.stages import TokenizerStage, WorldStage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,18 +96,18 @@ def test_bench_writes_every_figure_with_sane_values(tiny, tmp_path, B):
     assert x["gpu_hours"] > 0
     assert d["checks"] and all(isinstance(ok, bool) for ok in d["checks"].values())
 
-    # FLOPs: wm.train.count_flops of a batch of the same shape through the same stage
+    # FLOPs: wm.loop.count_flops of a batch of the same shape through the same stage
     cfg = load_config(None, sets(tiny.args(out="flops")))
     d1 = D.Dist()
-    run = T.Run(cfg, d1)
+    run = Run(cfg, d1)
     B.ensure_tokenizer_checkpoint(run, d1)
-    tok = T.TokenizerStage(run)
-    world = T.WorldStage(run, torch.device("cpu"), None)
+    tok = TokenizerStage(run)
+    world = WorldStage(run, torch.device("cpu"), None)
     for stage, rec in ((tok, got["tokenizer", "bf16"]), (world, got["world", "fp32-b1"]),
                        (B.OnTheFlyWorld(world), got["world", "onthefly"])):
         batch = next(iter(torch.utils.data.DataLoader(stage.train_ds, batch_size=rec["batch"])))
         dtype = torch.bfloat16 if rec["amp"] == "bf16" else None
-        flops = T.count_flops(stage, stage.model, batch, torch.device("cpu"), dtype)
+        flops = L.count_flops(stage, stage.model, batch, torch.device("cpu"), dtype)
         assert rec["flops_per_sample"] == flops, (rec["stage"], rec["variant"])
     run.log.close()
     print(f"bench took {took:.1f} s")
@@ -138,8 +140,8 @@ def test_bench_runner_reproduces_fit_bitwise(tiny, B):
 
     cfg = load_config(None, sets(tiny.args(out="runner", **over)))
     d = D.Dist()
-    run = T.Run(cfg, d)
-    runner = B.Runner(T.TokenizerStage(run), cfg, d, torch.device("cpu"), None)
+    run = Run(cfg, d)
+    runner = B.Runner(TokenizerStage(run), cfg, d, torch.device("cpu"), None)
     for _ in range(4):
         r = runner.step()
         assert r.outcome() == (False, False) and r.samples == 4 and 0 <= r.data_wait_s
@@ -148,100 +150,6 @@ def test_bench_runner_reproduces_fit_bitwise(tiny, B):
     assert_same(ref["model"], runner.model.state_dict(), "model")
     assert_same(ref["optimizer"], runner.opt.state_dict(), "optimizer")
     assert ref["sampler"] == runner.sampler.state_dict()
-
-
-def old_loop_body(stage, cfg, d, device, dtype, steps):
-    """fit's set-up and step before train_step was extracted (verbatim, minus logging, validation
-    and checkpoints): the reference the extracted step must reproduce bitwise."""
-    s = stage.scfg
-    model = stage.model.to(device)
-    batch = s.batch_size or cfg.data.batch_size
-    opt = T.make_optimizer(model, s, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    sampler = T.ResumableSampler(len(stage.train_ds), d.world_size, d.rank, seed=cfg.run.seed, drop_last=True)
-    loader = T.make_loader(stage.train_ds, sampler, cfg.data, drop_last=True, batch_size=batch)
-    per_rank_batches = len(stage.train_ds) // d.world_size // batch
-    total = s.max_steps or s.epochs * (per_rank_batches // s.grad_accum)
-    T.seed_all(cfg.run.seed * 1000 + d.rank)
-    ddp = fwd = model
-
-    def new_iter():
-        with torch.random.fork_rng(devices=[]):
-            return iter(loader)
-
-    it = new_iter()
-
-    def next_batch():
-        nonlocal it
-        while True:
-            try:
-                return next(it)
-            except StopIteration:
-                if sampler.consumed:
-                    sampler.set_epoch(sampler.epoch + 1)
-                it = new_iter()
-
-    model.train()
-    step = 0
-    while step < steps:
-        for g in opt.param_groups:
-            g["lr"] = s.lr * T.lr_factor(step, total, s)
-        terms = {}
-        for micro in range(s.grad_accum):
-            b = T.to_device(next_batch(), device)
-            sync = micro == s.grad_accum - 1
-            with (ddp.no_sync() if d.active and not sync else contextlib.nullcontext()):
-                with T.autocast(device, dtype):
-                    out = stage.loss(fwd, b)
-                scaler.scale(out["loss"] / s.grad_accum).backward()
-            for k, v in out.items():
-                if v.ndim == 0:
-                    terms[k] = terms.get(k, 0) + v.detach().float() / s.grad_accum
-            sampler.advance(batch * d.world_size)
-        scaler.unscale_(opt)
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip if s.clip > 0 else float("inf"))
-        flags = torch.stack([(~torch.isfinite(terms["loss"]) | ~torch.isfinite(gnorm)).float(),
-                             torch.tensor(float(T._STOP["flag"]), device=device)])
-        bad, preempt = (bool(x) for x in D.all_reduce_(flags, d, op="max").tolist())
-        if bad and dtype != torch.float16:
-            opt.zero_grad(set_to_none=True)
-        else:
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-            stage.after_step(model, d, torch.tensor(False))  # (its skip flag came later)
-        step += 1
-    return model, opt, sampler, terms, gnorm
-
-
-@pytest.mark.parametrize("stage_name", ["tokenizer", "world"])
-def test_train_step_equals_the_loop_body_it_replaced(tiny, B, stage_name):
-    over = {f"{stage_name}_stage__grad_accum": 2, "train__stages": "tokenizer,world"}
-    d, cpu, steps = D.Dist(), torch.device("cpu"), 7  # 7 steps of 2 x 2 samples: across an epoch's end
-
-    def make(out):
-        c = load_config(None, sets(tiny.args(out=out, **over)))
-        run = T.Run(c, d)
-        if stage_name == "tokenizer":
-            return c, run, T.TokenizerStage(run)
-        B.ensure_tokenizer_checkpoint(run, d)
-        return c, run, T.WorldStage(run, cpu, None)
-
-    c_old, run_old, st_old = make("old")
-    model_o, opt_o, sampler_o, terms_o, gnorm_o = old_loop_body(st_old, c_old, d, cpu, None, steps)
-    c_new, run_new, st_new = make("new")
-    runner = B.Runner(st_new, c_new, d, cpu, None)
-    for _ in range(steps):
-        r = runner.step()
-    runner.close()
-    for run in (run_old, run_new):
-        run.log.close()
-    assert_same(model_o.state_dict(), runner.model.state_dict(), "model")
-    assert_same(opt_o.state_dict(), runner.opt.state_dict(), "optimizer")
-    assert sampler_o.state_dict() == runner.sampler.state_dict()
-    assert sampler_o.epoch == 1  # the stream crossed an epoch boundary
-    assert_same({k: v for k, v in terms_o.items()}, r.terms, "terms")
-    assert torch.equal(gnorm_o, r.grad_norm)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -253,12 +161,12 @@ def test_train_step_on_cuda_never_waits_for_the_gpu(tiny, B, stage_name):
             "train__compile": "false"}  # the eager step (tools/gpu_check.py runs the compiled one)
     cfg = load_config(None, sets(tiny.args(out=f"cuda-{stage_name}", **over)))
     d, dev = D.Dist(), torch.device("cuda")
-    run = T.Run(cfg, d)
+    run = Run(cfg, d)
     if stage_name == "tokenizer":
-        stage = T.TokenizerStage(run)
+        stage = TokenizerStage(run)
     else:
         B.ensure_tokenizer_checkpoint(run, d)
-        stage = T.WorldStage(run, dev, torch.bfloat16)
+        stage = WorldStage(run, dev, torch.bfloat16)
     runner = B.Runner(stage, cfg, d, dev, torch.bfloat16)
     try:
         runner.step()  # the first step may wait (lazy initialisation, cuDNN's and cuBLAS's choices)

@@ -11,7 +11,10 @@ import pytest
 import torch
 
 import wm.checkpoint as ck
+import wm.loop as L
 import wm.train as T
+from wm.config import Config
+from wm.tokenizer import Tokenizer
 from wm.errors import WMError
 
 from test_reliability import cdir, stop_after  # noqa: E402
@@ -36,7 +39,6 @@ def three(tiny_factory):
         mp.undo()
         for s, h in saved.items():
             signal.signal(s, h)
-        T._STOP.update(flag=False, count=0)
     assert ck.load_checked(ck.latest_checkpoint(cdir(t.run_dir())))["step"] == 3
     return t
 
@@ -165,7 +167,7 @@ def test_a_checkpoint_holding_nan_is_named_with_its_tensor_and_skipped(run, caps
     out = capsys.readouterr().out
     assert f"warning: skipped {bad}: it holds non-finite values (first: {k}" in out, out
     if where == "moment":  # the moment is named with its parameter
-        names = [n for n, p in T.Tokenizer(T.Config().tokenizer, 18, (16, 16, 4)).named_parameters()]
+        names = [n for n, p in Tokenizer(Config().tokenizer, 18, (16, 16, 4)).named_parameters()]
         assert f"(the moment of " in out and any(f"the moment of {n})" in out for n in names), out
     assert "at step 3/5" in out, out
 
@@ -174,7 +176,7 @@ def test_a_state_that_turned_nan_is_never_saved_and_the_good_one_is_named(run, m
     """A weight turns NaN during step 4 (nothing it computes is finite from then on): the save of
     step 4 is refused, naming the tensor, and the message names step 3, which is finite."""
     args, folder = run
-    real = T.train_step
+    real = L.train_step
 
     def step(stage, model, *a, **kw):
         r = real(stage, model, *a, **kw)
@@ -182,7 +184,7 @@ def test_a_state_that_turned_nan_is_never_saved_and_the_good_one_is_named(run, m
             model.dec_out.weight.view(-1)[0] = float("nan")
         return r
 
-    monkeypatch.setattr(T, "train_step", step)
+    monkeypatch.setattr(L, "train_step", step)
     with pytest.raises(WMError) as e:
         T.main(args)
     msg = str(e.value)

@@ -360,7 +360,9 @@ COMPILED_DDP = textwrap.dedent("""
     import torch._functorch._aot_autograd.runtime_wrappers as RW
     from wm import distributed as D
     from wm.config import load
-    import wm.train as T
+    import wm.loop as L
+    import wm.wrappers as W
+    from wm.stages import WorldStage
     from wm.world import WorldModel
 
     tangents = []  # every activation gradient a compiled backward is handed (the loss terms are 0-dim)
@@ -375,16 +377,16 @@ COMPILED_DDP = textwrap.dedent("""
     for compiled in (True, False):
         torch.manual_seed(0)
         model = WorldModel(cfg.world, 16)
-        opt = T.make_optimizer(model, cfg.world_stage, d.device)
-        ddp = T.wrap_ddp(model, cfg, d.device, d)
-        fwd = T.compiled(ddp, cfg, {}) if compiled else ddp
+        opt = L.make_optimizer(model, cfg.world_stage, d.device)
+        ddp = W.wrap_ddp(model, cfg, d.device, d)
+        fwd = W.compiled(ddp, cfg, {}) if compiled else ddp
         st = types.SimpleNamespace(cfg=cfg, name="world", after_step=lambda *a: None)
-        st.loss, st.samples = types.MethodType(T.WorldStage.loss, st), types.MethodType(T.WorldStage.samples, st)
+        st.loss, st.samples = types.MethodType(WorldStage.loss, st), types.MethodType(WorldStage.samples, st)
         g = torch.Generator().manual_seed(1 + d.rank)
         batches = iter([{"codes": torch.randint(0, 16, (2, 4, 8, 8), generator=g),
                          "motion": torch.randn(2, 4, 3, generator=g)} for _ in range(2)])
         for _ in range(2):
-            T.train_step(st, model, opt, torch.amp.GradScaler("cpu", enabled=False), lambda: next(batches),
+            L.train_step(st, model, opt, torch.amp.GradScaler("cpu", enabled=False), lambda: next(batches),
                          cfg.world_stage, d.device, None, d, ddp=ddp, fwd=fwd)
         out[compiled] = {k: v.tolist() for k, v in model.state_dict().items()}
     print("RESULT " + json.dumps({"tangents": tangents, "compiled": out[True], "eager": out[False]}))
@@ -399,7 +401,7 @@ BUCKETS = textwrap.dedent("""
     import json, sys, warnings, torch
     import wm.distributed as D
     from wm.config import Config
-    from wm.train import wrap_ddp
+    from wm.wrappers import wrap_ddp
     from wm.tokenizer import Tokenizer, TokenizerConfig
     from wm.world import WorldConfig, WorldModel
     torch.set_num_threads(2)  # oneDNN takes the 1x1 convolutions (one thread: another kernel, NCHW gradients)
@@ -549,7 +551,7 @@ DEAD_CODES = textwrap.dedent("""
     import json, types, torch
     import wm.distributed as D
     from wm.tokenizer import Tokenizer, TokenizerConfig
-    from wm.train import TokenizerStage
+    from wm.stages import TokenizerStage
     d = D.init("cpu", 30)
     torch.manual_seed(0)
     m = Tokenizer(TokenizerConfig(widths=(8, 16), codebook_size=4, code_dim=8, dead_code_steps=3), 6, (16, 16, 4))

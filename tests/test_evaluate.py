@@ -3,6 +3,7 @@ metrics on fabricated forecasts in both absent-class modes, horizons from frame 
 the visibility mask, the CLI on a trained tiny run (its numbers equal the training-time
 validation of the same checkpoints), torchrun, and every bad input as one line and exit 2."""
 
+import dataclasses
 import json
 import math
 import os
@@ -279,7 +280,7 @@ def test_mask_option_scores_only_visible_voxels(ev, tmp_path):
         assert T.main(ev.args("--mask", mask, "--horizons", "0.5,1", "--json", str(out))) == 0
         reps[mask] = json.loads(out.read_text())
     cfg = load_config(None, [a for a in ev.args()[:-1] if a != "--set"])
-    win = OccWindows(ev.t.data, "val", T.dataclasses.replace(cfg.data, use_mask=True))
+    win = OccWindows(ev.t.data, "val", dataclasses.replace(cfg.data, use_mask=True))
     masks = np.stack([win[i]["mask"].numpy() for i in range(len(win))])  # (N, 4, X, Y, Z)
     visible = (masks[:, 2:] != 0).sum((0, 2, 3, 4))  # per future step
     assert 0 < visible.min() and visible.max() < masks[:, 0].size  # the mask hides something

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import wm.train as T
+from wm.stages import val_metrics
 from wm.datastats import NUSCENES_MOVING
 from wm.shards import OCC3D_CLASSES
 from wm.tokenizer import Tokenizer, TokenizerConfig, lovasz_softmax
@@ -153,5 +154,5 @@ def test_training_hands_the_mask_to_both_losses_when_asked(tiny, monkeypatch, ca
     recs = [json.loads(ln) for ln in (tiny.run_dir() / "metrics.jsonl").read_text().splitlines()]
     for stage in ("tokenizer", "world"):
         keys = {k for r in recs if r.get("kind") == f"{stage}/val" for k in r if k.startswith("val/")}
-        assert keys == set(T.val_metrics(stage, 2, OCC3D_CLASSES, OCC3D_CLASSES.index("free"), NUSCENES_MOVING)), \
+        assert keys == set(val_metrics(stage, 2, OCC3D_CLASSES, OCC3D_CLASSES.index("free"), NUSCENES_MOVING)), \
             (stage, keys)

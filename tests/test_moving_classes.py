@@ -9,14 +9,15 @@ import json
 import numpy as np
 import pytest
 
-import wm.train as T
+from wm.report import final_table, make_summary
+from wm.stages import class_scalars, val_metrics
 from wm.config import Config, DataConfig
 from wm.data import check_against_config
 from wm.datastats import NUSCENES_MOVING, moving_classes
 from wm.errors import DataError
 from wm.shards import OCC3D_CLASSES, DatasetInfo, load_manifest
 from wm.synthetic import write_synthetic
-from wm.viz import class_palette
+from wm.viz import bev_pair, class_palette
 
 AIRSIDE = ("free", "apron", "aircraft", "tug", "baggage_cart", "person", "cone", "building")
 
@@ -65,25 +66,25 @@ def test_manifests_without_the_field_load_with_the_nuscenes_list(tmp_path):
 
 def test_validation_metrics_tables_and_pictures_take_the_data_sets_moving_classes():
     moving = ("aircraft", "baggage_cart")
-    names = T.val_metrics("world", 2, AIRSIDE, 0, moving)
+    names = val_metrics("world", 2, AIRSIDE, 0, moving)
     assert "val/class_iou/baggage_cart_t2" in names and "val/copy_last_class_iou/aircraft_t1" in names
     assert "val/class_iou/tug_t1" not in names and "val/class_iou/tug" in names
     assert not any("car_t" in n for n in names)
     summary = {"per_class_avg": [None, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0],
                "per_class": [[None, 1, 10, 3, 40, 5, 6, 7], [None, 1, 20, 3, 50, 5, 6, 7]]}
-    s = T.class_scalars(summary, AIRSIDE, 0, "val/class_iou/", per_step=moving)
+    s = class_scalars(summary, AIRSIDE, 0, "val/class_iou/", per_step=moving)
     assert s["val/class_iou/aircraft_t2"] == 20 and s["val/class_iou/baggage_cart_t1"] == 40
     assert "val/class_iou/tug_t1" not in s
     # the final table: every moving class by its whole name, and summary.json
     cfg = Config()
     cfg.data.future = 2
-    r = {**s, **T.class_scalars(summary, AIRSIDE, 0, "val/copy_last_class_iou/", per_step=moving)}
-    table = T.final_table(cfg, {"world": r}, moving=moving).splitlines()
+    r = {**s, **class_scalars(summary, AIRSIDE, 0, "val/copy_last_class_iou/", per_step=moving)}
+    table = final_table(cfg, {"world": r}, moving=moving).splitlines()
     first = table.index(next(t for t in table if t.startswith("moving classes"))) + 2  # after the step header
     rows = {ln.split()[0]: ln.split() for ln in table[first:]}
     assert set(rows) == {"aircraft", "baggage_cart"}
     assert rows["baggage_cart"][1:4] == ["40.0", "/", "40.0"]
-    summ = T.make_summary(cfg, {"world": r}, moving=moving)["world"]
+    summ = make_summary(cfg, {"world": r}, moving=moving)["world"]
     assert summ["class_iou"] == {"aircraft": [10, 20], "baggage_cart": [40, 50]}
     # the pictures draw moving objects over what is above them: a tug under a building shows as the tug
     info = airside(moving_classes=("tug",))
@@ -94,7 +95,7 @@ def test_validation_metrics_tables_and_pictures_take_the_data_sets_moving_classe
     def count(img, name):  # pixels of that class's colour (the legend's swatch included, alike in both)
         return int((img.reshape(-1, 3) == pal[AIRSIDE.index(name)]).all(1).sum())
 
-    shown, hidden = T.bev_pair([col, col], info), T.bev_pair([col, col], dataclasses.replace(info, moving_classes=()))
+    shown, hidden = bev_pair([col, col], info), bev_pair([col, col], dataclasses.replace(info, moving_classes=()))
     assert count(shown, "tug") > count(hidden, "tug") and count(shown, "building") < count(hidden, "building")
 
 

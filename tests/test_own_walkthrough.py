@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import wm.loop as L
 import wm.train as T
 from wm.errors import ConfigError, WMError
 
@@ -120,8 +121,8 @@ def test_training_refuses_windows_that_miss_data_horizons_s_naming_the_plan(air,
 
 def test_walkthrough_reaches_1s_and_2s_and_shows_the_moving_classes(air, restore_signals, capsys, monkeypatch):
     pictures = []
-    real = T.bev_pair
-    monkeypatch.setattr(T, "bev_pair", lambda frames, info, moving=None, labels=None: (
+    real = L.bev_pair
+    monkeypatch.setattr(L, "bev_pair", lambda frames, info, moving=None, labels=None: (
         pictures.append((moving, labels)), real(frames, info, moving, labels))[1])
     planned = {**PLAN, "data.horizons_s": "1,2", "train.stages": "tokenizer,world"}
     assert T.main(settings(air, **planned)) == 0

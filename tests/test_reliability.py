@@ -23,7 +23,10 @@ import pytest
 import torch
 
 import wm.checkpoint as ck
+import wm.loop as L
 import wm.train as T
+from wm.config import Config
+from wm.loop import Preemption
 from wm.errors import DataError, WMError
 
 from conftest import assert_same  # noqa: E402
@@ -60,15 +63,15 @@ def flip_tensor_bytes(path: Path, n: int = 8) -> None:
 
 def stop_after(monkeypatch, steps: int) -> None:
     """As if SIGTERM came during step `steps`: the run saves it and exits 0."""
-    real, calls = T.train_step, {"n": 0}
+    real, calls = L.train_step, {"n": 0}
 
     def step(*a, **kw):
         calls["n"] += 1
         if calls["n"] == steps:
-            T._STOP["flag"] = True
+            kw["stop"].requested = True
         return real(*a, **kw)
 
-    monkeypatch.setattr(T, "train_step", step)
+    monkeypatch.setattr(L, "train_step", step)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +84,6 @@ def straight4(tiny_factory):
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
-        T._STOP.update(flag=False, count=0)
     return t, state_of(t.run_dir("straight"))
 
 
@@ -111,7 +113,6 @@ def test_1b_a_stop_read_a_step_late_saves_the_next_step_and_the_resume_is_exact(
     assert T.main(tiny.args(out="cut", **over)) == 0
     assert "tokenizer: preempted (SIGTERM/SIGINT); saved step 3." in capsys.readouterr().out
     monkeypatch.undo()
-    T._STOP.update(flag=False, count=0)
     assert T.main(tiny.args(out="cut", **over)) == 0
     assert "resumed from" in capsys.readouterr().out
     same_training_state(state_of(tiny.run_dir("straight")), state_of(tiny.run_dir("cut")))
@@ -127,7 +128,6 @@ def test_2_corrupted_newest_checkpoint_is_named_skipped_and_the_resume_is_exact(
     stop_after(monkeypatch, 3)
     assert T.main(args) == 0  # steps 1, 2, 3 saved
     monkeypatch.undo()
-    T._STOP.update(flag=False, count=0)
     newest = ck.latest_checkpoint(cdir(t.run_dir("cut")))
     assert newest.name == ck.checkpoint_name(3)
     size = newest.stat().st_size
@@ -149,7 +149,6 @@ def test_3_garbage_newest_never_suggests_weights_only_false_and_falls_back(tiny,
     stop_after(monkeypatch, 2)
     assert T.main(args) == 0  # steps 1, 2 saved
     monkeypatch.undo()
-    T._STOP.update(flag=False, count=0)
     newest = ck.latest_checkpoint(cdir(tiny.run_dir()))
     if garbage == "same-size":
         newest.write_bytes(os.urandom(newest.stat().st_size))
@@ -168,9 +167,7 @@ def test_3_garbage_newest_never_suggests_weights_only_false_and_falls_back(tiny,
 
 def test_4_every_checkpoint_corrupt_is_a_one_line_stop_never_a_restart(tiny, capsys):
     args = tiny.args(tokenizer_stage__max_steps=4, train__ckpt_every=1)
-    T._STOP["flag"] = True
-    assert T.main(args) == 0  # step 1 saved
-    T._STOP.update(flag=False, count=0)
+    assert T.main(args, stop=Preemption(requested=True)) == 0  # step 1 saved
     folder = cdir(tiny.run_dir())
     files = ck.list_checkpoints(folder)
     assert files
@@ -429,7 +426,6 @@ def test_10_resume_with_a_lower_lr_through_allow_changed_is_recorded(tiny, monke
     stop_after(monkeypatch, 2)
     assert T.main(args) == 0
     monkeypatch.undo()
-    T._STOP.update(flag=False, count=0)
     lower = tiny.args(tokenizer_stage__max_steps=4, tokenizer_stage__lr=1e-4)
     with pytest.raises(WMError) as e:
         T.main(lower)
@@ -445,7 +441,7 @@ def test_10_resume_with_a_lower_lr_through_allow_changed_is_recorded(tiny, monke
     st = state_of(tiny.run_dir())
     assert st["step"] == 4 and st["config"]["tokenizer_stage"]["lr"] == 1e-4
     hist = json.loads((tiny.run_dir() / "config.json").read_text())["meta"]["history"]
-    assert hist[-1]["changed"] == {"tokenizer_stage.lr": [T.Config().tokenizer_stage.lr, 1e-4]}
+    assert hist[-1]["changed"] == {"tokenizer_stage.lr": [Config().tokenizer_stage.lr, 1e-4]}
     assert hist[-1]["step"] == {"tokenizer": 2}
 
 

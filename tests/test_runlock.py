@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import wm.train as T
+from wm.config import load as load_config
 from wm import runlock
 from wm.errors import WMError
 
@@ -46,7 +47,6 @@ def test_a_full_disk_at_resume_is_one_line_and_changes_nothing(tiny, monkeypatch
     stop_after(monkeypatch, 2)
     assert T.main(args) == 0
     monkeypatch.undo()
-    T._STOP.update(flag=False, count=0)
     before = {p: p.read_bytes() for p in tiny.run_dir().rglob("*") if p.is_file()}
     full_disk(monkeypatch, free=100 << 10)
     with pytest.raises(WMError) as e:
@@ -61,7 +61,7 @@ def test_the_space_asked_for_covers_the_checkpoint_written(tiny):
 
     assert T.main(tiny.args(tokenizer_stage__max_steps=1)) == 0
     size = (cdir(tiny.run_dir()) / "step_000000001.pt").stat().st_size
-    cfg = T.load_config(None, [a for a in tiny.args() if a != "--set"])
+    cfg = load_config(None, [a for a in tiny.args() if a != "--set"])
     need = checkpoint_bytes(meta_model(cfg, "tokenizer"))
     assert size <= need <= size + (2 << 20)
 

@@ -1,7 +1,7 @@
 """Every table of forecast steps says both the step and its time where the frame rate is known:
 training's final table, --eval-only's table, the export report's table; class names are never cut."""
 
-import wm.train as T
+from wm.report import final_table, make_summary
 from wm import evaluate as E
 from wm.config import Config
 from wm.export.report import format_report
@@ -20,18 +20,18 @@ def test_final_table_labels_steps_in_seconds_and_keeps_whole_class_names():
     r = {"val/iou_t1": 50.0, "val/miou_t1": 20.0, "val/iou_t2": 40.0, "val/miou_t2": 10.0,
          "val/class_iou/construction_vehicle_t1": 31.25, "val/class_iou/construction_vehicle_t2": 2.0,
          "val/class_iou/construction_vehicle": 16.625}
-    lines = T.final_table(cfg, {"world": r}, moving=("car", "construction_vehicle"), step_s=0.5).splitlines()
+    lines = final_table(cfg, {"world": r}, moving=("car", "construction_vehicle"), step_s=0.5).splitlines()
     head = next(ln for ln in lines if ln.startswith("step"))
     assert head.split() == ["step", "t+1", "(0.5s)", "t+2", "(1s)", "avg"]
     moving = lines[lines.index("moving classes, IoU per future step, forecast / copy-last:") + 1:]
     assert moving[0].split()[0] == "step" and "t+2 (1s)" in moving[0]
     assert moving[1].split()[:4] == ["construction_vehicle", "31.2", "/", "-"]
     # unknown rate: steps only; no moving classes: said, with where to declare them
-    plain = T.final_table(cfg, {"world": r})
+    plain = final_table(cfg, {"world": r})
     assert "(0.5s)" not in plain and "moving classes, IoU" not in plain
     assert plain.splitlines()[-1].startswith("(no moving classes: the data set declares none") and \
         "data.moving_classes" in plain
-    assert T.make_summary(cfg, {"world": r}, step_s=0.5)["world"]["seconds"] == [0.5, 1.0]
+    assert make_summary(cfg, {"world": r}, step_s=0.5)["world"]["seconds"] == [0.5, 1.0]
 
 
 def test_eval_table_labels_horizons_with_their_steps():

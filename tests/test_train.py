@@ -1,4 +1,4 @@
-"""The training loop (wm/train.py): exact resume after SIGTERM, kill -9 at random moments, failed
+"""Training (wm/loop.py, wm/run.py, wm/stages.py, train.py): exact resume after SIGTERM, kill -9 at random moments, failed
 saves, non-finite steps, refusals (new data, changed config, grid/class mismatch), TensorBoard and
 metrics.jsonl, summary.json. Everything runs on a tiny synthetic data set and tiny models (see
 conftest.py: `tiny`)."""
@@ -19,9 +19,17 @@ import pytest
 import torch
 
 import wm.checkpoint as ck
+import wm.distributed as D
+import wm.loop as L
 import wm.train as T
+import wm.wrappers as W
 from wm.checkpoint import latest_checkpoint, load
 from wm.config import Config
+from wm.data import CodeWindows
+from wm.loop import Preemption
+from wm.report import final_table
+from wm.run import Run
+from wm.stages import TokenizerStage, WorldStage
 from wm.datastats import NUSCENES_MOVING
 from wm.errors import DataError, WMError, run_cli
 from wm.shards import OCC3D_CLASSES
@@ -124,7 +132,7 @@ def test_sigterm_resume_is_bitwise_exact_world_stage(tiny):
     assert "tokenizer stage already finished" in p.output
     ref = final_state(tiny.run_dir(), "world")
     assert ref["step"] == 12
-    assert ref["tokenizer"]["sha256"] == T.sha256_file(Path(ref["tokenizer"]["path"]))
+    assert ref["tokenizer"]["sha256"] == ck.sha256_file(Path(ref["tokenizer"]["path"]))
 
     shutil.rmtree(tiny.run_dir())
     shutil.copytree(tiny.base / "tok_only", tiny.run_dir())
@@ -297,7 +305,7 @@ def metrics_records(run_dir: Path) -> list[dict]:
 
 def nan_in_window(monkeypatch, index: int) -> None:
     """Token-cache window `index` comes with a NaN in its motion (one batch of each epoch)."""
-    real = T.CodeWindows.__getitem__
+    real = CodeWindows.__getitem__
 
     def getitem(self, i):
         out = real(self, i)
@@ -306,7 +314,7 @@ def nan_in_window(monkeypatch, index: int) -> None:
             out["motion"][0, 0] = float("nan")
         return out
 
-    monkeypatch.setattr(T.CodeWindows, "__getitem__", getitem)
+    monkeypatch.setattr(CodeWindows, "__getitem__", getitem)
 
 
 def test_nan_batch_is_skipped_and_counted(tiny, monkeypatch, capsys):
@@ -372,7 +380,7 @@ def test_step_unless_skips_on_the_device_and_changes_nothing(fused):
         for i in order:
             for p, g in zip(m.parameters(), grads[i]):
                 p.grad = g.clone()
-            T.step_unless(opt, torch.tensor(float(i == 1)))
+            L.step_unless(opt, torch.tensor(float(i == 1)))
             assert not hasattr(opt, "found_inf")
         states.append((m.state_dict(), opt.state_dict()))
     assert_same(states[0][0], states[1][0], "model")
@@ -381,7 +389,7 @@ def test_step_unless_skips_on_the_device_and_changes_nothing(fused):
 
 
 def test_too_many_nonfinite_steps_stop_with_clear_error(tiny, monkeypatch):
-    real = T.CodeWindows.__getitem__
+    real = CodeWindows.__getitem__
     calls = {"n": 0}
 
     def getitem(self, i):
@@ -391,7 +399,7 @@ def test_too_many_nonfinite_steps_stop_with_clear_error(tiny, monkeypatch):
             out["motion"] = torch.full_like(out["motion"], float("nan"))
         return out
 
-    monkeypatch.setattr(T.CodeWindows, "__getitem__", getitem)
+    monkeypatch.setattr(CodeWindows, "__getitem__", getitem)
     args = tiny.args(train__stages="tokenizer,world", tokenizer_stage__max_steps=2,
                      world_stage__max_steps=9, train__ckpt_every=1, train__keep_last=20,
                      train__max_nonfinite=3)
@@ -419,9 +427,7 @@ def test_too_many_nonfinite_steps_stop_with_clear_error(tiny, monkeypatch):
 
 def test_changed_data_refuses_to_resume_unless_allowed(tiny):
     args = tiny.args(tokenizer_stage__max_steps=3)
-    T._STOP["flag"] = True  # as if SIGTERM came at once: stops after step 1, saved
-    assert T.main(args) == 0
-    T._STOP.update(flag=False, count=0)
+    assert T.main(args, stop=Preemption(requested=True)) == 0  # as if SIGTERM came at once: stops after step 1, saved
     assert load(latest_checkpoint(ckpt_dir(tiny.run_dir())))["step"] == 1
     old_fp = json.loads((tiny.run_dir() / "config.json").read_text())["meta"]["data_fingerprint"]
 
@@ -468,9 +474,8 @@ def test_changed_config_refuses_unless_fresh_which_moves_the_old_run_aside(tiny,
 def test_resume_may_switch_kernels_and_layouts_which_compute_the_same_function(tiny):
     # tokenizer.fused_head / channels_last (and world.fused_attention, by the same table; the world section
     # is free here anyway, its stage has saved nothing): other kernels or layouts for the same model
-    T._STOP["flag"] = True  # as if SIGTERM came at once: stops after step 1, saved
-    assert T.main(tiny.args(tokenizer_stage__max_steps=3)) == 0
-    T._STOP.update(flag=False, count=0)
+    # as if SIGTERM came at once: stops after step 1, saved
+    assert T.main(tiny.args(tokenizer_stage__max_steps=3), stop=Preemption(requested=True)) == 0
     assert load(latest_checkpoint(ckpt_dir(tiny.run_dir())))["step"] == 1
     with pytest.raises(WMError, match="tokenizer.embed_dim"):  # a key that changes the model refuses
         T.main(tiny.args(tokenizer_stage__max_steps=3, tokenizer__embed_dim=4))
@@ -609,7 +614,7 @@ def test_final_table_lists_the_moving_classes():
          "val/class_iou/car_t1": 31.25, "val/class_iou/car_t2": None, "val/class_iou/car": 31.25,
          "val/copy_last_class_iou/car_t1": 12.5, "val/copy_last_class_iou/car_t2": 3.0,
          "val/copy_last_class_iou/car": 7.75}
-    lines = T.final_table(cfg, {"world": r}, moving=NUSCENES_MOVING).splitlines()
+    lines = final_table(cfg, {"world": r}, moving=NUSCENES_MOVING).splitlines()
     assert lines[-3].startswith("moving classes") and lines[-2].split() == ["step", "t+1", "t+2", "avg"]
     assert lines[-1].split() == ["car", "31.2", "/", "12.5", "-", "/", "3.0", "31.2", "/", "7.8"]
     assert not any(ln.startswith("pedestrian") for ln in lines)  # no figures: no row
@@ -689,7 +694,7 @@ def test_world_crop_trains_on_one_random_square_of_the_token_map():
         return SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(world_crop=crop)))
 
     torch.manual_seed(5)
-    res = T.WorldStage.loss(stage(4), model, batch)
+    res = WorldStage.loss(stage(4), model, batch)
     torch.manual_seed(5)  # the offsets the stage drew
     i, j = int(torch.randint(0, 8 - 4 + 1, ())), int(torch.randint(0, 6 - 4 + 1, ()))
     sq = codes[..., i:i + 4, j:j + 4]
@@ -697,7 +702,7 @@ def test_world_crop_trains_on_one_random_square_of_the_token_map():
     ref = model.loss(model(sq[:, :-1], motion[:, :-1]), sq[:, 1:], motion[:, 1:],
                      mask=mask[..., i:i + 4, j:j + 4][:, 1:])
     assert torch.equal(res["loss"], ref["loss"])
-    T.WorldStage.loss(stage(0), model, batch)
+    WorldStage.loss(stage(0), model, batch)
     assert seen[-1].shape == (2, 3, 8, 6)  # 0: the whole map
 
 
@@ -707,14 +712,14 @@ def test_logged_rate_leaves_out_the_validation_time(tiny, restore_signals, one_t
     import time
 
     slept = []
-    real = T.TokenizerStage.evaluate
+    real = TokenizerStage.evaluate
 
     def slow_evaluate(self, *a, **kw):
         time.sleep(2.0)
         slept.append(True)
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(T.TokenizerStage, "evaluate", slow_evaluate)
+    monkeypatch.setattr(TokenizerStage, "evaluate", slow_evaluate)
     args = tiny.args(tokenizer_stage__max_steps=4, tokenizer_stage__eval_every=2, train__log_every=1)
     assert T.main(args) == 0
     assert len(slept) == 2  # after steps 2 and 4
@@ -729,10 +734,10 @@ def test_training_log_states_device_and_precision(tiny, restore_signals, capsys,
     """The log's first lines say where the run trains and in which precision, and why (amp=auto)."""
     assert T.main(tiny.args(tokenizer_stage__max_steps=1)) == 0
     assert f"training: 1 rank on cpu ({torch.get_num_threads()} thread" in capsys.readouterr().out
-    assert "), fp32 (train.amp=fp32)" in T.device_line(T.Config(train=dataclasses.replace(
-        T.Config().train, amp="fp32")), T.D.Dist(), torch.device("cpu"), None)
+    assert "), fp32 (train.amp=fp32)" in T.device_line(Config(train=dataclasses.replace(
+        Config().train, amp="fp32")), D.Dist(), torch.device("cpu"), None)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
-    assert T.device_line(T.Config(), T.D.Dist(), torch.device("cpu"), None).endswith(
+    assert T.device_line(Config(), D.Dist(), torch.device("cpu"), None).endswith(
         "fp32 (train.amp=auto: no AMX on this CPU)")
 
 
@@ -760,17 +765,17 @@ def test_compiled_passes_the_stage_inductor_options_with_the_mode(mode, monkeypa
     cfg = Config()
     cfg.train.compile, cfg.train.compile_mode = True, mode
     model = torch.nn.Linear(2, 2)
-    opts = T.TokenizerStage.inductor_options(SimpleNamespace(cfg=cfg))
+    opts = TokenizerStage.inductor_options(SimpleNamespace(cfg=cfg))
     assert opts == {"force_layout_optimization": True, "coordinate_descent_tuning": True}
     cfg.tokenizer.compile_tuning = cfg.tokenizer.compile_channels_last = False
-    assert T.TokenizerStage.inductor_options(SimpleNamespace(cfg=cfg)) == {}
-    T.compiled(model, cfg, opts)  # the real torch.compile checks the option names (it compiles on first call)
+    assert TokenizerStage.inductor_options(SimpleNamespace(cfg=cfg)) == {}
+    W.compiled(model, cfg, opts)  # the real torch.compile checks the option names (it compiles on first call)
     seen = []
     monkeypatch.setattr(torch, "compile", lambda m, **kw: seen.append(kw) or m)
-    T.compiled(model, cfg, opts)
-    T.compiled(model, cfg, {})
+    W.compiled(model, cfg, opts)
+    W.compiled(model, cfg, {})
     cfg.train.compile = False
-    assert T.compiled(model, cfg, opts) is model
+    assert W.compiled(model, cfg, opts) is model
     want = {"default": {}, "reduce-overhead": {"triton.cudagraphs": True},
             "max-autotune-no-cudagraphs": {"max_autotune": True, "coordinate_descent_tuning": True},
             "max-autotune": {"max_autotune": True, "triton.cudagraphs": True, "coordinate_descent_tuning": True}}[mode]
@@ -783,20 +788,20 @@ def test_compile_auto_is_on_for_cuda_only_and_the_gpu_presets_use_it(monkeypatch
 
     cfg = Config()
     assert cfg.train.compile == "auto"
-    assert T.compiles(cfg, torch.device("cuda")) and not T.compiles(cfg, torch.device("cpu"))
+    assert W.compiles(cfg, torch.device("cuda")) and not W.compiles(cfg, torch.device("cpu"))
     for value, want in (("true", True), ("false", False), ("auto", "auto")):
         assert load_config(None, [f"train.compile={value}"]).train.compile == want
-    assert T.compiles(load_config(None, ["train.compile=true"]), torch.device("cpu"))
-    assert not T.compiles(load_config(None, ["train.compile=false"]), torch.device("cuda"))
+    assert W.compiles(load_config(None, ["train.compile=true"]), torch.device("cpu"))
+    assert not W.compiles(load_config(None, ["train.compile=false"]), torch.device("cuda"))
     with pytest.raises(ConfigError, match=r"train\.compile.*'maybe' must be true, false or auto"):
         load_config(None, ["train.compile=maybe"])
     for preset in ("occworld", "occworld_20min", "occworld_nuscenes"):
         c = load_config(str(Path(__file__).resolve().parents[1] / "configs" / f"{preset}.json"))
-        assert T.compiles(c, torch.device("cuda")) and not T.compiles(c, torch.device("cpu")), preset
+        assert W.compiles(c, torch.device("cuda")) and not W.compiles(c, torch.device("cpu")), preset
     seen = []
     monkeypatch.setattr(torch, "compile", lambda m, **kw: seen.append(kw) or m)
     model = torch.nn.Linear(2, 2)  # on the CPU: "auto" leaves it eager
-    assert T.compiled(model, cfg, {}) is model and seen == []
+    assert W.compiled(model, cfg, {}) is model and seen == []
 
 
 def test_the_compiled_tokenizer_has_channels_last_weights_as_inductor_runs_its_convolutions(tiny):
@@ -808,9 +813,9 @@ def test_the_compiled_tokenizer_has_channels_last_weights_as_inductor_runs_its_c
     def weights(**over):
         a = tiny.args(**over)
         cfg = load_config(None, [v for k, v in zip(a, a[1:]) if k == "--set"])
-        run = T.Run(cfg, Dist())
+        run = Run(cfg, Dist())
         try:
-            return {n: p for n, p in T.TokenizerStage(run).model.named_parameters() if p.ndim == 4}
+            return {n: p for n, p in TokenizerStage(run).model.named_parameters() if p.ndim == 4}
         finally:
             run.log.close()
             run.close()
@@ -829,7 +834,7 @@ def test_the_compiled_tokenizer_has_channels_last_weights_as_inductor_runs_its_c
 
 def test_the_first_steps_time_is_logged_apart_and_the_rate_after_it_is_the_steady_one(tiny, monkeypatch, capsys,
                                                                                         restore_signals):
-    real, calls = T.train_step, []
+    real, calls = L.train_step, []
 
     def slow_first(*a, **kw):
         calls.append(1)
@@ -837,7 +842,7 @@ def test_the_first_steps_time_is_logged_apart_and_the_rate_after_it_is_the_stead
             time.sleep(2.0)  # as a compilation would
         return real(*a, **kw)
 
-    monkeypatch.setattr(T, "train_step", slow_first)
+    monkeypatch.setattr(L, "train_step", slow_first)
     assert T.main(tiny.args(tokenizer_stage__max_steps=3, train__log_every=3)) == 0
     out = capsys.readouterr().out
     m = re.search(r"^tokenizer: first step (\d+\.\d) s$", out, re.M)

@@ -7,13 +7,13 @@ activation checkpointing, token cache vs encoding on the fly, and what a checkpo
     python tools/bench_train.py --scaling one.json two.json     # samples/s on 2 GPUs over 1, per variant
     python tools/bench_train.py --set train.device=cpu --variants fp32-b1,bf16 --steps 3 --warmup 1  # a CPU
 
-Every variant times `wm.train.train_step`, the body of train.py's loop (grad_accum micro-batches,
+Every variant times `wm.loop.train_step`, the body of train.py's loop (grad_accum micro-batches,
 DDP no_sync, autocast, GradScaler, clipping, the all-reduced finite check, AdamW, after_step), fed
 by the same sampler, DataLoader and BatchStream as `fit`, after `--warmup` steps. Reported per
 variant: step time (ms; the timed span ends with a CUDA synchronize; the median step from CUDA
 events between step starts, since the host, as in `fit`, runs a step ahead of the GPU), samples/s
 (all ranks; the tokenizer's samples are frames), TFLOP/s and MFU (FLOPs of one step counted with
-torch.utils.flop_counter through wm.train.count_flops, over the bf16 matrix-product peak this script
+torch.utils.flop_counter through wm.loop.count_flops, over the bf16 matrix-product peak this script
 measures on the same card in the same run with a big matmul; fp32 variants also against the
 fp32 peak as train.py runs it, i.e. with TF32; on a CPU the fp32 peak), max allocated memory (GiB,
 reset per variant; "act" = that peak minus what was allocated before the timed steps), and the
@@ -42,7 +42,7 @@ default is every variant (on a CPU all but bf16-compile, whose compilation takes
 A variant that fails for another reason than memory is reported as an error and the rest still run.
 
 The world stage needs a tokenizer checkpoint: the bench writes a randomly initialised one (timing
-does not need a trained tokenizer) and builds the token cache from it with wm.train's
+does not need a trained tokenizer) and builds the token cache from it with wm.token_cache's
 build_token_cache. The bench's run folder is a temporary folder under run.out_dir (same disk as real
 runs, for the save timing), removed at the end; the data set is the config's (data.root, or the
 built-in synthetic scenes: pass `--set synthetic.compression=gzip1`, or `synthetic.format=memmap`,
@@ -86,11 +86,15 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import wm.loop as L  # noqa: E402
+import wm.stages as S  # noqa: E402
 import wm.train as T  # noqa: E402
+import wm.wrappers as W  # noqa: E402
 from wm import distributed as D  # noqa: E402
 from wm.checkpoint import Checkpointer, latest_checkpoint, rng_state  # noqa: E402
 from wm.config import load as load_config, to_dict  # noqa: E402
 from wm.errors import WMError, run_cli  # noqa: E402
+from wm.run import Run  # noqa: E402
 from wm.tokenizer import Tokenizer  # noqa: E402
 
 VARIANTS = ("fp32-b1", "bf16", "bf16-compile", "bf16-ckpt1", "bf16-ckptk", "onthefly", "onthefly-fp32-b1", "save")
@@ -160,7 +164,7 @@ class OnTheFlyWorld:
 
     name = "world"
 
-    def __init__(self, ws: T.WorldStage):
+    def __init__(self, ws: S.WorldStage):
         self.ws, self.cfg, self.scfg, self.model = ws, ws.cfg, ws.scfg, ws.model
         self.tok_path, self.tok_sha = ws.tok_path, ws.tok_sha
         self.train_ds = ws.windows  # OccWindows: occ uint8 (T, X, Y, Z), motion
@@ -188,25 +192,25 @@ class Runner:
     """fit's set-up for one stage, minus validation, checkpoints and logging: the model on the device,
     AdamW, the GradScaler, the resumable sampler, the DataLoader and BatchStream, the same seeding,
     DDP when world > 1 and torch.compile when train.compile. `step()` sets the scheduled learning
-    rate and runs wm.train.train_step: the loop's step, nothing else."""
+    rate and runs wm.loop.train_step: the loop's step, nothing else."""
 
     def __init__(self, stage, cfg, d: D.Dist, device: torch.device, dtype):
         self.s = stage.scfg
         self.stage, self.cfg, self.d, self.device, self.dtype = stage, cfg, d, device, dtype
-        p = T.stage_parts(stage, cfg, d, device, dtype)
+        p = L.stage_parts(stage, cfg, d, device, dtype)
         self.model, self.batch, self.opt, self.scaler = p.model, p.batch, p.opt, p.scaler
         self.sampler, self.loader, self.total = p.sampler, p.loader, p.total
-        T.seed_all(cfg.run.seed * 1000 + d.rank)
-        self.ddp = T.wrap_ddp(self.model, cfg, device, d)
-        self.fwd = T.compiled(self.ddp, cfg, stage.inductor_options())
-        self.next_batch = T.BatchStream(self.loader, self.sampler, self.batch * d.world_size)
+        L.seed_all(cfg.run.seed * 1000 + d.rank)
+        self.ddp = W.wrap_ddp(self.model, cfg, device, d)
+        self.fwd = W.compiled(self.ddp, cfg, stage.inductor_options())
+        self.next_batch = L.BatchStream(self.loader, self.sampler, self.batch * d.world_size)
         self.step_no = 0
         self.model.train()
 
-    def step(self) -> T.StepResult:
+    def step(self) -> L.StepResult:
         for g in self.opt.param_groups:
-            g["lr"] = self.s.lr * T.lr_factor(self.step_no, self.total, self.s)
-        r = T.train_step(self.stage, self.model, self.opt, self.scaler, self.next_batch, self.s,
+            g["lr"] = self.s.lr * L.lr_factor(self.step_no, self.total, self.s)
+        r = L.train_step(self.stage, self.model, self.opt, self.scaler, self.next_batch, self.s,
                          self.device, self.dtype, self.d, ddp=self.ddp, fwd=self.fwd)
         self.step_no += 1
         return r
@@ -228,7 +232,7 @@ class Runner:
 
 
 class Bench:
-    def __init__(self, run: T.Run, d: D.Dist, device: torch.device, a, peaks: dict):
+    def __init__(self, run: Run, d: D.Dist, device: torch.device, a, peaks: dict):
         self.run, self.d, self.device, self.a, self.peaks = run, d, device, a, peaks
         self.cuda = device.type == "cuda"
 
@@ -244,8 +248,8 @@ class Bench:
         vrun.cfg = cfg
         vrun.say = lambda *a, **k: None
         if stage == "tokenizer":
-            return T.TokenizerStage(vrun)
-        ws = T.WorldStage(vrun, self.device, dtype)
+            return S.TokenizerStage(vrun)
+        ws = S.WorldStage(vrun, self.device, dtype)
         return OnTheFlyWorld(ws) if onthefly else ws
 
     def free(self) -> None:
@@ -273,7 +277,7 @@ class Bench:
                 r = runner.step()
             # FLOPs of one sample's forward + backward on a batch of this variant's shape (the plain
             # module: no compile, no recomputation from activation checkpointing: the model's FLOPs)
-            flops_per_sample = T.count_flops(st, runner.model, r.batch, device, dtype)
+            flops_per_sample = L.count_flops(st, runner.model, r.batch, device, dtype)
             if self.cuda:
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
@@ -704,7 +708,7 @@ def main(argv=None) -> int:
             base = tempfile.mkdtemp(prefix=".bench-train-", dir=cfg.run.out_dir)
         base = D.broadcast_object(base, d)
         cfg.run.out_dir, cfg.run.name = base, "bench"
-        run = T.Run(cfg, d)
+        run = Run(cfg, d)
         card = torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine()
         peaks = measure_peaks(device)
         peaks = D.broadcast_object(peaks, d)
@@ -824,7 +828,7 @@ def main(argv=None) -> int:
         D.close(d)
 
 
-def ensure_tokenizer_checkpoint(run: T.Run, d: D.Dist) -> None:
+def ensure_tokenizer_checkpoint(run: Run, d: D.Dist) -> None:
     """A randomly initialised tokenizer checkpoint for the world stage (timing needs no trained one)."""
     folder = run.stage_dir("tokenizer") / "checkpoints"
     if d.is_main and latest_checkpoint(folder) is None:

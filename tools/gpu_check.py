@@ -10,7 +10,7 @@ Rows:
   versions    torch, CUDA, cuDNN, NCCL, Triton and the GPUs (name, memory)
   cuda tests  `pytest -m cuda tests` (the tests that skip themselves without CUDA: the Triton kernels
               against their references, the sync-free step, pinned checkpoint copies), in a subprocess
-  steps       one training step of each stage (wm.train.train_step, as fit runs it) eager and
+  steps       one training step of each stage (wm.loop.train_step, as fit runs it) eager and
               torch.compile'd from the same weights and batch, on one device: the loss and the gradient
               norm must agree within --loss-tol / --grad-tol (relative); the compiled step's first call
               (compilation included) is timed
@@ -151,7 +151,10 @@ def worker(a) -> int:
     """Each stage: one step eager, one compiled, same weights and batch; with --allreduce-mib the
     bus bandwidth. Rank 0 prints one RESULT line."""
     import wm.train as T
+    import wm.wrappers as W
     from wm.config import load as load_config
+    from wm.run import Run
+    from wm.stages import TokenizerStage, WorldStage
 
     B = load_bench()
     cfg = load_config(a.cfg, a.set)
@@ -161,10 +164,10 @@ def worker(a) -> int:
         device = d.device
         dtype = T.amp_dtype(cfg, device)
         if a.backend != "inductor":  # CPU tests: the same capture, without Inductor's compile time
-            real = T.compiled
-            T.compiled = lambda ddp, c, inductor=None: (torch.compile(ddp, backend=a.backend)
-                                                        if T.compiles(c, device) else real(ddp, c, inductor))
-        run = T.Run(cfg, d)
+            real = W.compiled
+            W.compiled = lambda ddp, c, inductor=None: (torch.compile(ddp, backend=a.backend)
+                                                        if W.compiles(c, device) else real(ddp, c, inductor))
+        run = Run(cfg, d)
         run.say = lambda *x, **k: None
         for name in cfg.train.stages:
             if name == "world":
@@ -175,7 +178,7 @@ def worker(a) -> int:
                 c.train.compile = mode == "compiled"
                 vrun = copy.copy(run)
                 vrun.cfg = c
-                stage = T.TokenizerStage(vrun) if name == "tokenizer" else T.WorldStage(vrun, device, dtype)
+                stage = TokenizerStage(vrun) if name == "tokenizer" else WorldStage(vrun, device, dtype)
                 runner = B.Runner(stage, c, d, device, dtype)
                 try:
                     with warnings.catch_warnings(record=True) as seen:

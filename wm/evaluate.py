@@ -1,7 +1,7 @@
 """Evaluation under OccWorld's protocol: `python train.py --cfg cfg.json --eval-only [...]`.
 
 One implementation of "run the models over evaluation windows and fill confusion matrices", used by
-the training-time validation (wm/train.py: TokenizerStage.evaluate, WorldStage.evaluate) and by
+the training-time validation (wm/stages.py: TokenizerStage.evaluate, WorldStage.evaluate) and by
 `--eval-only`, so the two always agree on the same checkpoint, data and settings:
 
 - `reconstruction(tokenizer, batches, ...)`: every frame encoded and decoded, scored against itself

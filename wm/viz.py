@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from wm.datastats import moving_classes
 from wm.errors import DataError
 from wm.shards import OCC3D_CLASSES
 
@@ -285,6 +286,16 @@ def figure(rows: Sequence[Sequence[Optional[np.ndarray]]], class_names: Sequence
         parts += [row, np.full((gap, width, 3), GAP_GREY, np.uint8)]
     parts.append(legend(class_names, pal, width, free_class, scale=ts))
     return np.concatenate(parts)
+
+
+def bev_pair(frames: list, info, moving=None, labels=None) -> np.ndarray:
+    """Ground truth above, model below: BEV pictures (wm.viz.figure) with a legend, the `moving`
+    classes (default: the data set's) drawn over whatever is above them (a car under a tree shows as
+    the car); `labels` over the frames (the forecast's steps)."""
+    moving = moving_classes(info) if moving is None else moving
+    dyn = [c for c, n in enumerate(info.class_names) if n in moving]
+    return figure([list(frames[0]), list(frames[1])], info.class_names, info.free_class, info.class_colors,
+                  titles=["ground truth", "prediction"], prefer=dyn, labels=labels)
 
 
 def write_png(path: str | Path, rgb: np.ndarray) -> None:

@@ -1,0 +1,304 @@
+"""The two stages, what differs between them: the tokenizer (a VQ-VAE on single frames) and the
+world model on the frozen tokenizer, trained from its token cache and validated by decoding its
+rollouts against the real occupancy, beside the copy-last-frame baseline. Each stage holds its
+model, data sets and optimisation section, and says how to compute its loss, what to do after a
+step, and how to validate; `check_stages` runs every check that can fail one before the first starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from wm import distributed as D
+from wm.checkpoint import latest_checkpoint, newest_valid, sha256_file
+from wm.ckpt_checks import EVAL_KEYS, checker, meta_model, shapes
+from wm.config import Config, DataConfig
+from wm.data import CodeWindows, OccWindows
+from wm.atomic import fsync_dir
+from wm.datastats import moving_classes, sample_counts
+from wm.errors import ConfigError, DataError, WMError
+from wm.evaluate import eval_batches, forecast, frames_config, reconstruction
+from wm.horizons import check_config_reaches
+from wm.metrics import step_label
+from wm.run import Run, belongs
+from wm.token_cache import CELL_MASK, build_token_cache
+from wm.tokenizer import Tokenizer
+from wm.world import WorldModel
+from wm.wrappers import compiles, unwrap
+
+
+def stage_data(cfg: Config, name: str) -> DataConfig:
+    """The windows a stage trains and validates on: single frames for the tokenizer, data.past +
+    data.future frames every data.stride-th for the world model; with the mask where data.use_mask."""
+    return frames_config(cfg.data, use_mask=cfg.data.use_mask) if name == "tokenizer" else cfg.data
+
+
+def batches_per_rank(name: str, samples: int, world_size: int, batch: int, grad_accum: int) -> int:
+    """Full batches of `batch` each rank draws from `samples` training samples per epoch; fewer
+    than one optimizer step's worth is refused."""
+    n = samples // world_size // batch
+    if n < grad_accum:
+        raise WMError(f"{name} stage: {samples} training samples give {n} batches of {batch} per rank, "
+                      f"fewer than grad_accum={grad_accum}; use a smaller {name}_stage.batch_size or more data")
+    return n
+
+
+def val_metrics(name: str, future: int, class_names=(), free_class: int = -1, moving=()) -> list[str]:
+    """The validation metrics a stage reports (TokenizerStage.evaluate, WorldStage.evaluate); with
+    the data set's class names also the per-class IoUs (class_scalars), per step for the `moving` ones."""
+    per_class = [n for c, n in enumerate(class_names) if c != free_class]
+    if name == "tokenizer":
+        return ["val/iou", "val/miou", "val/code_usage", "val/perplexity"] + [f"val/class_iou/{n}" for n in per_class]
+    steps = [f"_t{t + 1}" for t in range(future)]
+    return ["val/iou", "val/miou", "val/copy_last_iou", "val/copy_last_miou"] + [
+        f"val/{pre}{m}_t{t + 1}" for pre in ("", "copy_last_") for m in ("iou", "miou") for t in range(future)] + [
+        f"val/{pre}class_iou/{n}{t}" for pre in ("", "copy_last_") for n in per_class
+        for t in [""] + (steps if n in moving else [])]
+
+
+def check_stages(run: Run) -> None:
+    """Every check that can fail a stage, for each stage still to run, before the first step of the
+    first one (a world stage that cannot start must not wait for hours of tokenizer training): both
+    splits present with windows at the stage's settings (window length at data.stride), the batch
+    against the training windows, the best_metric; and data.horizons_s against the windows. Window
+    indexes come from scene offsets alone, so this reads no frames. Also says whether training uses
+    the visibility mask."""
+    cfg, d = run.cfg, run.d
+    if "world" in cfg.train.stages:  # first: the setting that reaches data.horizons_s, not "shorten the window"
+        check_config_reaches(cfg, run.root, run.manifest.info.frame_rate_hz)
+    for name in cfg.train.stages:
+        if (run.stage_dir(name) / "done.json").is_file():
+            continue
+        s = getattr(cfg, f"{name}_stage")
+        data = stage_data(cfg, name)
+        try:
+            samples = len(OccWindows(run.root, cfg.data.train_split, data))
+            OccWindows(run.root, cfg.data.val_split, data)
+        except DataError as e:
+            raise DataError(f"{name} stage: {e}") from None
+        batches_per_rank(name, samples, d.world_size, s.batch_size or cfg.data.batch_size, s.grad_accum)
+        metrics = val_metrics(name, cfg.data.future, run.manifest.info.class_names, cfg.data.free_class,
+                              moving_classes(run.manifest.info, cfg.data.moving_classes))
+        if s.best_metric not in metrics:
+            raise ConfigError(f"{name}_stage.best_metric", f"{s.best_metric!r} is not a validation metric of "
+                              f"the {name} stage; choose one of {', '.join(metrics)}")
+    if cfg.data.use_mask:
+        bits = f"mask bits {cfg.data.mask_bits}" if cfg.data.mask_bits else "any nonzero mask value"
+        run.say(f"masks: training and validation use only visible voxels (data.use_mask, {bits}): masked "
+                "cross-entropy and Lovasz in the tokenizer stage, masked cross-entropy over token cells "
+                "that see a visible voxel in the world stage")
+    elif run.manifest.info.has_mask:
+        run.say("masks: the data set has visibility masks; training uses every voxel (OccWorld's protocol). "
+                "data.use_mask=true trains and validates on visible voxels only")
+
+
+class TokenizerStage:
+    name = "tokenizer"
+
+    def __init__(self, run: Run):
+        cfg = run.cfg
+        self.run, self.cfg, self.scfg = run, cfg, cfg.tokenizer_stage
+        fc = stage_data(cfg, self.name)
+        self.train_ds = OccWindows(run.root, cfg.data.train_split, fc)
+        self.val_ds = OccWindows(run.root, cfg.data.val_split,
+                                 dataclasses.replace(fc, max_windows=cfg.data.max_windows))
+        torch.manual_seed(cfg.run.seed)  # the initial weights follow run.seed (torch seeds randomly)
+        self.model = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
+        if cfg.tokenizer.compile_channels_last and compiles(cfg, run.d.device):
+            # Inductor runs every convolution NHWC: weights laid out so, their gradients come so (no copy)
+            self.model.to(memory_format=torch.channels_last)
+        self.class_names = run.manifest.info.class_names
+        if cfg.tokenizer.class_weight_power > 0:  # from the training data, the same on every resume
+            counts = sample_counts(self.train_ds.shards, self.train_ds.manifest.info, CLASS_COUNT_FRAMES)
+            w = self.model.set_class_frequencies(counts["classes"])
+            run.say("tokenizer: class weights " + ", ".join(
+                f"{n} {float(v):.1f}" for n, v in zip(self.class_names, w) if float(v) > 1.05))
+
+    def inductor_options(self) -> dict:
+        """torch.compile settings of this stage's model (tokenizer.compile_channels_last, compile_tuning)."""
+        t = self.cfg.tokenizer
+        return {**({"force_layout_optimization": True} if t.compile_channels_last else {}),
+                **({"coordinate_descent_tuning": True} if t.compile_tuning else {})}
+
+    def loss(self, model: nn.Module, batch: dict) -> dict:
+        # the mask is in the batch only with data.use_mask (stage_data)
+        # no logits: training reads only the losses (on CUDA the fused head then never writes them)
+        return model(batch["occ"][:, 0], mask=batch["mask"][:, 0] if "mask" in batch else None, logits=False)
+
+    def samples(self, batch: dict) -> int:
+        return batch["occ"].shape[0]
+
+    def after_step(self, model: nn.Module, d: D.Dist, skipped: torch.Tensor) -> None:
+        """Dead-code reset: rank 0 decides from its encoder outputs, every rank gets its codebook
+        (DDP does not sync in-place parameter edits). Not after a skipped step (`skipped`, a bool on
+        the device): its encoder outputs may be non-finite. A code's age is the youngest rank's (each
+        rank ages the codes its own batch did not use), so a code in use anywhere is not dead."""
+        m = unwrap(model)
+        if d.active and m.quantizer.dead_code_steps > 0:
+            D.all_reduce_(m.quantizer.code_age, d, op="min")
+        if d.is_main:
+            m.reset_dead_codes(skip=skipped)
+        if d.active:
+            torch.distributed.broadcast(m.quantizer.codebook.weight.data, 0)
+            torch.distributed.broadcast(m.quantizer.code_age, 0)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, d: D.Dist, dtype, device) -> tuple[dict, list]:
+        cfg = self.cfg
+        batches = eval_batches(self.val_ds, d, self.scfg.batch_size or cfg.data.batch_size,
+                               cfg.data.num_workers, cfg.data.pin_memory, "tokenizer validation", self.run.say)
+        r = reconstruction(unwrap(model), batches, d, device, dtype, cfg.data.num_classes, cfg.data.free_class,
+                           keep_first=d.is_main and cfg.train.images)
+        pics = [("val/recon_gt_top_pred_bottom", r.first, None)] if r.first else []
+        s = r.cm.summary()
+        out = {"val/iou": s["iou"][0], "val/miou": s["miou"][0],
+               "val/code_usage": r.code_usage, "val/perplexity": r.perplexity}
+        out.update(class_scalars(s, self.class_names, cfg.data.free_class, "val/class_iou/"))
+        return out, pics
+
+
+class WorldStage:
+    name = "world"
+
+    def __init__(self, run: Run, device: torch.device, dtype):
+        cfg = run.cfg
+        self.run, self.cfg, self.scfg = run, cfg, cfg.world_stage
+        tok_ckpt, st = tokenizer_checkpoint(run)
+        self.tok_path, self.tok_sha = tok_ckpt, sha256_file(tok_ckpt)
+        retire_stale_world(run, tok_ckpt, self.tok_sha)
+        self.tokenizer = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
+        self.tokenizer.load_state_dict(st["model"])
+        self.tokenizer.eval().requires_grad_(False).to(device)
+        run.say(f"world stage: frozen tokenizer {tok_ckpt} (sha256 {self.tok_sha[:12]})")
+        self.windows = OccWindows(run.root, cfg.data.train_split, cfg.data)
+        self.val_ds = OccWindows(run.root, cfg.data.val_split, cfg.data)
+        codes = build_token_cache(run, self.tokenizer, self.tok_sha, device, dtype)
+        self.train_ds = CodeWindows(self.windows, codes, codes.with_name(CELL_MASK) if cfg.data.use_mask else None)
+        torch.manual_seed(cfg.run.seed)  # here: whether the cache was built must not change them
+        self.model = WorldModel(cfg.world, cfg.tokenizer.codebook_size)
+        if cfg.world.widths[0] == cfg.tokenizer.code_dim:  # OccWorld feeds the codebook vectors
+            self.model.init_code_embedding(self.tokenizer.codebook)
+
+    def loss(self, model: nn.Module, batch: dict) -> dict:
+        # forward through the wrapper (DDP hooks it, torch.compile traces it), the loss inside it
+        codes, motion = batch["codes"].long(), batch["motion"]
+        mask = batch["mask"] if "mask" in batch else None  # token cells, with data.use_mask
+        c = self.cfg.train.world_crop
+        if c and c < max(codes.shape[-2:]):  # one random square of the map (torch RNG: resumes exactly)
+            (h, w) = codes.shape[-2:]
+            ch, cw = min(c, h), min(c, w)
+            i, j = int(torch.randint(0, h - ch + 1, ())), int(torch.randint(0, w - cw + 1, ()))
+            codes = codes[..., i:i + ch, j:j + cw]
+            mask = None if mask is None else mask[..., i:i + ch, j:j + cw]
+        # with the targets, WorldModel.forward returns the loss terms: one compiled graph with the model
+        res = model(codes[:, :-1], motion[:, :-1], codes[:, 1:], motion[:, 1:], None if mask is None else mask[:, 1:])
+        res["copy_last_acc"] = (codes[:, 1:] == codes[:, :-1]).float().mean()
+        return res
+
+    def samples(self, batch: dict) -> int:
+        return batch["codes"].shape[0]
+
+    def inductor_options(self) -> dict:
+        """torch.compile settings of this stage's model: Inductor's own. (Its layout optimisation
+        forced on, as the tokenizer's, ended the compiled occworld step in an illegal memory access
+        on an H200; issue 15.)"""
+        return {}
+
+    def after_step(self, model: nn.Module, d: D.Dist, skipped: torch.Tensor) -> None:
+        pass
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, d: D.Dist, dtype, device) -> tuple[dict, list]:
+        """Roll out the future from the past frames' codes, decode, and score against the real
+        occupancy per future step; the copy-last baseline on the same windows beside it."""
+
+        cfg = self.cfg
+        S = cfg.data.future
+        batches = eval_batches(self.val_ds, d, self.scfg.batch_size or cfg.data.batch_size,
+                               cfg.data.num_workers, cfg.data.pin_memory, "world validation", self.run.say)
+        f = forecast(self.tokenizer, unwrap(model), batches, d, device, dtype, cfg.data.past, S,
+                     cfg.data.num_classes, cfg.data.free_class,
+                     given_motion=cfg.train.forecast_motion == "given", keep_first=d.is_main and cfg.train.images)
+        step_s = step_seconds(cfg, self.run.manifest.info)
+        pics = [("val/forecast_gt_top_pred_bottom", f.first, [step_label(t + 1, step_s) for t in range(S)])] \
+            if f.first else []
+        a, b = f.ours.summary(), f.base.summary()
+        out = {"val/iou": a["iou_avg"], "val/miou": a["miou_avg"],
+               "val/copy_last_iou": b["iou_avg"], "val/copy_last_miou": b["miou_avg"]}
+        names, free = self.run.manifest.info.class_names, cfg.data.free_class
+        moving = moving_classes(self.run.manifest.info, cfg.data.moving_classes)
+        out.update(class_scalars(a, names, free, "val/class_iou/", per_step=moving))
+        out.update(class_scalars(b, names, free, "val/copy_last_class_iou/", per_step=moving))
+        for t in range(S):
+            out[f"val/iou_t{t + 1}"] = a["iou"][t]
+            out[f"val/miou_t{t + 1}"] = a["miou"][t]
+            out[f"val/copy_last_iou_t{t + 1}"] = b["iou"][t]
+            out[f"val/copy_last_miou_t{t + 1}"] = b["miou"][t]
+        return out, pics
+
+
+CLASS_COUNT_FRAMES = 256  # training frames read for the class frequencies behind the CE weights
+
+
+def class_scalars(summary: dict, names, free: int, prefix: str, per_step=()) -> dict:
+    """Per-class IoU scalars from a ConfusionMatrix summary: <prefix><class> (averaged over the
+    steps) for every non-free class, and <prefix><class>_t<k> per future step for the classes in
+    `per_step`. Classes with no ground truth and no prediction are None (not logged)."""
+    out = {f"{prefix}{n}": summary["per_class_avg"][c] for c, n in enumerate(names) if c != free}
+    for c, n in enumerate(names):
+        if n in per_step:
+            out.update({f"{prefix}{n}_t{t + 1}": row[c] for t, row in enumerate(summary["per_class"])})
+    return out
+
+
+def tokenizer_checkpoint(run: Run) -> tuple[Path, dict]:
+    """The tokenizer the world stage builds on, checksum-checked, and its state: its stage's best
+    checkpoint, else (named) its newest valid one."""
+    folder = run.stage_dir("tokenizer") / "checkpoints"
+    # what the world stage needs of it: a finite model of this run's tokenizer config and data (how it
+    # was trained is its own stage's business: a tokenizer brought from another run folder is fine)
+    found = newest_valid(folder, say=run.say, best=True, check=checker(
+        "tokenizer", model=shapes(meta_model(run.cfg, "tokenizer").state_dict()), keys=EVAL_KEYS,
+        belongs=belongs(run, "tokenizer", sections=("tokenizer",))))
+    if found is None:
+        raise WMError(f"the world stage needs a trained tokenizer but {folder} holds no checkpoint; "
+                      "run the tokenizer stage first (train.stages)")
+    return found
+
+
+def retire_stale_world(run: Run, tok: Path, sha: str) -> None:
+    """The world stage belongs to the tokenizer it trained on. When the tokenizer stage went on and
+    its best checkpoint changed, the world stage's folder is moved aside (said) and the stage
+    starts over; when the best was skipped as damaged, the run stops instead (restore it)."""
+    error, folder = None, run.stage_dir("world")
+    last = latest_checkpoint(folder / "checkpoints") if run.d.is_main else None
+    try:  # one small field: the file itself is checked when it is loaded
+        old = torch.load(last, map_location="cpu", weights_only=True, mmap=True)["tokenizer"]["sha256"] if last else sha
+    except Exception:
+        old = sha
+    if old != sha and tok.name != "best.pt" and (tok.parent / "best.pt").exists():
+        error = (f"the world stage was trained on tokenizer {old[:12]}, but the tokenizer's best.pt was "
+                 f"skipped (above) for {tok.name} ({sha[:12]}); restore best.pt, or start over with --fresh")
+    elif old != sha:
+        aside, n = folder.with_name(f"world.{time.strftime('%Y%m%d-%H%M%S')}"), 1
+        while aside.exists():
+            aside, n = folder.with_name(f"world.{time.strftime('%Y%m%d-%H%M%S')}-{n}"), n + 1
+        os.replace(folder, aside)
+        fsync_dir(folder.parent)
+        run.say(f"world stage: its checkpoints were trained on tokenizer {old[:12]}, the tokenizer's best is now "
+                f"{sha[:12]}; moved them to {aside}: the world stage starts over")
+    failure = D.broadcast_object(error, run.d)
+    if failure:
+        raise WMError(failure)
+
+
+def step_seconds(cfg: Config, info) -> Optional[float]:
+    """Seconds per forecast step (data.stride / the data set's frame rate), None where the rate is unknown."""
+    return cfg.data.stride / info.frame_rate_hz if info.frame_rate_hz > 0 else None

@@ -1,0 +1,62 @@
+"""The model as training runs it: under DistributedDataParallel when there is more than one rank,
+through torch.compile when the config says so, and `unwrap` to get the plain module back."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from wm import distributed as D
+from wm.config import Config
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under DDP and/or torch.compile wrappers."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def wrap_ddp(model: nn.Module, cfg: Config, device: torch.device, d: D.Dist) -> nn.Module:
+    """The model under DistributedDataParallel when there is more than one rank, else the model.
+    Gradients are views into DDP's buckets (no copy in or out of them); bucket size and wire dtype
+    from train.ddp_bucket_mib / train.ddp_grad_dtype."""
+    if not d.active:
+        return model
+    ddp = nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=cfg.train.ddp_bucket_mib, gradient_as_bucket_view=True)
+    if cfg.train.ddp_grad_dtype == "bf16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    return ddp
+
+
+def compiles(cfg: Config, device: torch.device) -> bool:
+    """Whether training runs torch.compile'd: train.compile, "auto" meaning on CUDA only."""
+    return device.type == "cuda" if cfg.train.compile == "auto" else bool(cfg.train.compile)
+
+
+def compiled(ddp: nn.Module, cfg: Config, inductor: Optional[dict] = None) -> nn.Module:
+    """What the training forward goes through: the (DDP-wrapped) model, torch.compile'd when
+    train.compile (`compiles`), in train.compile_mode, with the stage's Inductor settings (`inductor`,
+    the stage's `inductor_options()`; they hold for this model's compilation only)."""
+    if not compiles(cfg, next(unwrap(ddp).parameters()).device):
+        return ddp
+    if isinstance(ddp, nn.parallel.DistributedDataParallel):
+        # one graph, the one a single GPU runs: Dynamo's DDP graph splitting hands each piece
+        # layouts its neighbours do not produce, and one piece's backward read out of bounds
+        torch._dynamo.config.optimize_ddp = False
+    if not inductor:
+        return torch.compile(ddp, mode=cfg.train.compile_mode)
+    # torch.compile takes a mode or options, not both: a mode is a set of options
+    from torch._inductor import list_mode_options
+
+    return torch.compile(ddp, options={**list_mode_options(cfg.train.compile_mode), **inductor})
