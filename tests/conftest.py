@@ -18,6 +18,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+OCCWORLD = ROOT / "configs" / "occworld.json"  # OccWorld's model sizes
 
 
 def pytest_configure(config):
@@ -36,7 +37,7 @@ TINY_SETTINGS = {
     "data.grid": "16,16,4",
     "data.past": "2",
     "data.future": "2",
-    "data.num_workers": "0",
+    "loader.num_workers": "0",
     "tokenizer.widths": "8,8,8",
     "tokenizer.mid_attention": "true",  # the export tests need the attention's MatMuls
     "tokenizer.codebook_size": "16",
@@ -46,8 +47,8 @@ TINY_SETTINGS = {
     "world.heads": "2",
     "train.device": "cpu",
     "train.amp": "fp32",  # the hand-checked numbers are fp32's ("auto" is bf16 on a CPU with AMX)
-    "train.tensorboard": "false",
-    "train.log_every": "1",
+    "logging.tensorboard": "false",
+    "logging.every": "1",
     "train.stages": "tokenizer",
     "tokenizer_stage.batch_size": "2",  # 24 frames: 12 steps per epoch
     "tokenizer_stage.warmup_steps": "2",

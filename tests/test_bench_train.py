@@ -158,7 +158,7 @@ def test_train_step_on_cuda_never_waits_for_the_gpu(tiny, B, stage_name):
     # a host sync in the step would leave the GPU idle while the host queues the next one: torch's
     # sync debug mode turns any into an error; the outcome is then read while later work still runs
     over = {"train__stages": "tokenizer,world", "tokenizer_stage__max_steps": 2, "world_stage__max_steps": 2,
-            "train__compile": "false"}  # the eager step (tools/gpu_check.py runs the compiled one)
+            "compile__enable": "false"}  # the eager step (tools/gpu_check.py runs the compiled one)
     cfg = load_config(None, sets(tiny.args(out=f"cuda-{stage_name}", **over)))
     d, dev = D.Dist(), torch.device("cuda")
     run = Run(cfg, d)

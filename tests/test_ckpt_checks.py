@@ -21,7 +21,7 @@ from test_reliability import cdir, stop_after  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("restore_signals", "one_thread")
 
-OVER = dict(tokenizer_stage__max_steps=5, train__ckpt_every=1, train__keep_last=10)
+OVER = dict(tokenizer_stage__max_steps=5, checkpoint__every=1, checkpoint__keep_last=10)
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +198,7 @@ def test_a_state_that_turned_nan_is_never_saved_and_the_good_one_is_named(run, m
 
 
 def test_the_world_stage_skips_a_foreign_tokenizer_best_for_the_newest_good_step(tiny, capsys):
-    args = tiny.args(train__stages="tokenizer", tokenizer_stage__max_steps=2, train__ckpt_every=1)
+    args = tiny.args(train__stages="tokenizer", tokenizer_stage__max_steps=2, checkpoint__every=1)
     assert T.main(args) == 0
     folder = cdir(tiny.run_dir())
     bad = plant(folder, ck.BEST, {"weight": torch.ones(2)})

@@ -39,8 +39,8 @@ def non_default() -> C.Config:
     cfg = C.Config()
     cfg.run.name, cfg.run.seed = "exp-7", 3
     cfg.data.grid = (32, 32, 4)
-    cfg.data.h5_cache_mib = 0.5
-    cfg.data.use_mask, cfg.data.pin_memory = True, False
+    cfg.loader.h5_cache_mib = 0.5
+    cfg.data.use_mask, cfg.loader.pin_memory = True, False
     cfg.synthetic.format, cfg.synthetic.frames = "memmap", 17
     return cfg.validate()
 
@@ -63,7 +63,7 @@ def test_dict_json_round_trip_equals():
     assert back == cfg
     assert back != C.Config()  # the round trip carried the non-defaults
     assert isinstance(back.data.grid, tuple) and back.data.grid == (32, 32, 4)
-    assert isinstance(back.data.h5_cache_mib, float)
+    assert isinstance(back.loader.h5_cache_mib, float)
 
 
 def test_save_load_round_trip_ignores_meta(tmp_path):
@@ -144,8 +144,8 @@ def test_unknown_key_in_file_names_the_file(tmp_path):
     ({"data": {"batch_size": None}}, "data.batch_size", ["int", "None"]),
     ({"data": {"use_mask": 1}}, "data.use_mask", ["bool", "1"]),
     ({"data": {"use_mask": "true"}}, "data.use_mask", ["bool", "'true'"]),
-    ({"data": {"h5_cache_mib": "1"}}, "data.h5_cache_mib", ["float", "'1'"]),
-    ({"data": {"h5_cache_mib": False}}, "data.h5_cache_mib", ["float", "False"]),
+    ({"loader": {"h5_cache_mib": "1"}}, "loader.h5_cache_mib", ["float", "'1'"]),
+    ({"loader": {"h5_cache_mib": False}}, "loader.h5_cache_mib", ["float", "False"]),
     ({"run": {"name": 5}}, "run.name", ["str", "5"]),
     ({"data": {"grid": [64, "a", 8]}}, "data.grid[1]", ["int", "'a'"]),
     ({"data": {"grid": [64, 64.0, 8]}}, "data.grid[1]", ["int", "64.0"]),
@@ -162,8 +162,8 @@ def test_wrong_type_names_key_type_and_value(d, key, words):
 
 
 def test_int_for_float_is_accepted_as_float():
-    cfg = C.from_dict(C.Config, {"data": {"h5_cache_mib": 2}})
-    assert cfg.data.h5_cache_mib == 2.0 and type(cfg.data.h5_cache_mib) is float
+    cfg = C.from_dict(C.Config, {"loader": {"h5_cache_mib": 2}})
+    assert cfg.loader.h5_cache_mib == 2.0 and type(cfg.loader.h5_cache_mib) is float
 
 
 def test_list_for_tuple_becomes_tuple():
@@ -178,13 +178,13 @@ def test_list_for_tuple_becomes_tuple():
 def test_override_int_float_str():
     cfg = C.Config()
     C.apply_override(cfg, "data.batch_size=16")
-    C.apply_override(cfg, "data.h5_cache_mib=0.25")
+    C.apply_override(cfg, "loader.h5_cache_mib=0.25")
     C.apply_override(cfg, "run.name=exp1")
     assert cfg.data.batch_size == 16 and type(cfg.data.batch_size) is int
-    assert cfg.data.h5_cache_mib == 0.25
+    assert cfg.loader.h5_cache_mib == 0.25
     assert cfg.run.name == "exp1"
-    C.apply_override(cfg, "data.h5_cache_mib=3")  # an int spelling of a float key
-    assert cfg.data.h5_cache_mib == 3.0 and type(cfg.data.h5_cache_mib) is float
+    C.apply_override(cfg, "loader.h5_cache_mib=3")  # an int spelling of a float key
+    assert cfg.loader.h5_cache_mib == 3.0 and type(cfg.loader.h5_cache_mib) is float
     C.apply_override(cfg, "run.name=123")  # a str key keeps digits as text
     assert cfg.run.name == "123"
     C.apply_override(cfg, " data.batch_size = 7")
@@ -211,8 +211,8 @@ def test_override_tuple(raw):
 
 def test_overrides_through_load_win_over_file(tmp_path):
     p = write_cfg(tmp_path, {"data": {"batch_size": 3, "grid": [16, 16, 4]}})
-    cfg = C.load(p, overrides=["data.batch_size=5", "data.grid=64,64,8", "data.pin_memory=off"])
-    assert cfg.data.batch_size == 5 and cfg.data.grid == (64, 64, 8) and cfg.data.pin_memory is False
+    cfg = C.load(p, overrides=["data.batch_size=5", "data.grid=64,64,8", "loader.pin_memory=off"])
+    assert cfg.data.batch_size == 5 and cfg.data.grid == (64, 64, 8) and cfg.loader.pin_memory is False
 
 
 @pytest.mark.parametrize("item,key,words", [
@@ -220,7 +220,7 @@ def test_overrides_through_load_win_over_file(tmp_path):
     ("data.batch_size=4.0", "data.batch_size", ["int", "4.0"]),
     ("data.use_mask=maybe", "data.use_mask", ["bool", "'maybe'"]),
     ("data.grid=64,x,8", "data.grid[1]", ["int", "'x'"]),
-    ("data.h5_cache_mib=lots", "data.h5_cache_mib", ["float", "'lots'"]),
+    ("loader.h5_cache_mib=lots", "loader.h5_cache_mib", ["float", "'lots'"]),
 ])
 def test_override_wrong_type(item, key, words):
     e = refused(C.apply_override, C.Config(), item)
@@ -281,8 +281,8 @@ def test_overrides_are_validated_by_load():
     (["data.batch_size=0"], "data.batch_size"),
     (["data.past=0"], "data.past"),
     (["data.stride=0"], "data.stride"),
-    (["data.num_workers=-1"], "data.num_workers"),
-    (["data.h5_cache_mib=-1"], "data.h5_cache_mib"),
+    (["loader.num_workers=-1"], "loader.num_workers"),
+    (["loader.h5_cache_mib=-1"], "loader.h5_cache_mib"),
     (["data.val_split=train"], "data.val_split"),
     (["synthetic.format=zarr"], "synthetic.format"),
     (["synthetic.compression=zstd"], "synthetic.compression"),
@@ -375,6 +375,6 @@ def test_load_directory_refused(tmp_path):
 
 @pytest.mark.parametrize("raw", ["NaN", "Infinity"])
 def test_non_finite_float_refused(raw):
-    e = refused(C.load, None, [f"data.h5_cache_mib={raw}"])
-    assert e.key == "data.h5_cache_mib"
+    e = refused(C.load, None, [f"loader.h5_cache_mib={raw}"])
+    assert e.key == "loader.h5_cache_mib"
 

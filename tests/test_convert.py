@@ -190,7 +190,7 @@ def test_occ3d_real_grid_size_through_the_cli(tmp_path):
 def test_converted_occ3d_opens_in_occwindows_and_motion_matches_poses(tmp_path):
     truth = make_occ3d(tmp_path / "src", SCENES, seed=3)
     occ3d_convert(tmp_path / "src", tmp_path / "out")
-    cfg = DataConfig(root=str(tmp_path / "out"), grid=G, past=2, future=2, use_mask=True, num_workers=0)
+    cfg = DataConfig(root=str(tmp_path / "out"), grid=G, past=2, future=2, use_mask=True)
     ds = OccWindows(tmp_path / "out", "train", cfg)
     # train scenes: 4, 3, 6 frames -> 1 + 0 + 3 windows of 4 frames
     assert len(ds) == 4
@@ -431,7 +431,7 @@ def test_frames_npz_masks_and_classes_json(tmp_path):
         np.testing.assert_array_equal(got[name]["occ"], t["occ"])
         np.testing.assert_array_equal(got[name]["mask"], t["vis"])
     cfg = DataConfig(root=str(tmp_path / "out"), grid=(6, 4, 3), num_classes=5, free_class=4, past=2, future=1,
-                     use_mask=True, num_workers=0)
+                     use_mask=True)
     ds = OccWindows(tmp_path / "out", "val", cfg)
     assert len(ds) == 3 and ds[0]["mask"].shape == (3, 6, 4, 3)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from wm.config import DataConfig
+from wm.config import DataConfig, LoaderConfig
 from wm.data import OccWindows, ResumableSampler, make_loader, relative_motion, window_index
 from wm.errors import DataError
 from wm.shards import DatasetInfo, Manifest, ShardWriter
@@ -43,7 +43,7 @@ def write_set(root, scene_lens, kind="hdf5", has_mask=True, split="train", seed=
 
 
 def cfg(**kw):
-    base = dict(grid=GRID, past=2, future=1, stride=1, batch_size=2, num_workers=0)
+    base = dict(grid=GRID, past=2, future=1, stride=1, batch_size=2)
     base.update(kw)
     return DataConfig(**base)
 
@@ -234,11 +234,11 @@ def test_sampler_advance_rolls_epoch_and_state_checks():
 
 def test_loader_with_two_workers_over_hdf5(tmp_path):
     write_set(tmp_path, [6, 7, 5])
-    c = cfg(past=2, future=1, batch_size=3, num_workers=2, prefetch_factor=2, use_mask=True)
+    c = cfg(past=2, future=1, batch_size=3, use_mask=True)
     ds = OccWindows(tmp_path, "train", c)
     assert all(s._h5 is None for s in ds.shards)  # nothing open in the parent: workers open lazily
     sampler = ResumableSampler(len(ds), seed=5)
-    loader = make_loader(ds, sampler, c)
+    loader = make_loader(ds, sampler, LoaderConfig(num_workers=2, prefetch_factor=2), c.batch_size)
     expect = list(sampler)
     for epoch in range(2):  # persistent workers: the second epoch reuses them
         got = []

@@ -192,7 +192,7 @@ def initial_weights(st: dict, stage: str) -> dict:
 
 # the Lovasz loss is computed over a rank's batch and is not a sum over samples, so 2 ranks x b
 # and 1 rank x 2b genuinely differ with it; dead-code resets are decided from rank 0's batch only
-DDP_EXACT = dict(tokenizer__lovasz_weight=0, tokenizer__dead_code_steps=0, train__timeout_s=60)
+DDP_EXACT = dict(tokenizer__lovasz_weight=0, tokenizer__dead_code_steps=0, ddp__timeout_s=60)
 
 
 @pytest.mark.slow
@@ -307,7 +307,7 @@ def ranks_of(nodes: list) -> dict:
 def stop_one_rank(tiny, sig, timeout_s, out):
     """Start two agents, wait for training, send `sig` to the rank-1 worker; returns (exit code of
     the other agent, seconds it took to end after the signal, its output)."""
-    ps = agents(tiny, free_port(), out, tokenizer_stage__max_steps=5000, train__timeout_s=timeout_s,
+    ps = agents(tiny, free_port(), out, tokenizer_stage__max_steps=5000, ddp__timeout_s=timeout_s,
                 tokenizer__lovasz_weight=0)
     workers = set()
     try:
@@ -370,8 +370,8 @@ COMPILED_DDP = textwrap.dedent("""
     RW.coerce_to_expected_memory_format = lambda x, mf: (tangents.append(list(x.shape)) if x.dim() else None) or coerce(x, mf)
     compile_ = torch.compile  # Dynamo and AOTAutograd as on a GPU, without Inductor's C++ build
     torch.compile = lambda m, **kw: compile_(m, backend="aot_eager")
-    cfg = load(None, ["world.widths=64,128", "world.heads=2", "world.temporal_layers=1", "train.compile=true",
-                      "train.ddp_bucket_mib=1", "train.world_crop=0"])  # buckets: the splits
+    cfg = load(None, ["world.widths=64,128", "world.heads=2", "world.temporal_layers=1", "compile.enable=true",
+                      "ddp.bucket_mib=1", "train.world_crop=0"])  # buckets: the splits
     d = D.init("cpu", 60)
     out = {}
     for compiled in (True, False):
@@ -466,7 +466,7 @@ def test_compiled_ddp_runs_the_one_graph_a_single_gpu_runs():
 def test_resume_on_one_rank_from_two_says_what_changed_and_still_ends_after_the_epochs(tiny):
     from conftest import Proc
 
-    over = dict(tokenizer_stage__max_steps=0, tokenizer_stage__epochs=2, train__timeout_s=60)
+    over = dict(tokenizer_stage__max_steps=0, tokenizer_stage__epochs=2, ddp__timeout_s=60)
     p = Proc(torchrun("--nproc_per_node", "2", "--master_port", str(free_port())) + tiny.args(**over))
     assert p.wait_for(r"^tokenizer step 2/12 ", 120), p.output  # 24 frames, 2 ranks x 2: 6 steps an epoch
     os.kill(worker_of(p.pid, 1), signal.SIGTERM)

@@ -437,7 +437,7 @@ def test_mask_bits_select_one_of_two_masks(tmp_path):
     write_dataset(tmp_path, info, [dict(w.close(), split="val")])
     for bits, want in ((0, mask), (1, (mask & 1) != 0), (2, (mask & 2) != 0)):
         cfg = DataConfig(grid=(4, 4, 2), num_classes=3, free_class=2, past=1, future=0, use_mask=True,
-                         mask_bits=bits, num_workers=0)
+                         mask_bits=bits)
         ds = OccWindows(tmp_path, "val", cfg)
         got = np.stack([ds[i]["mask"].numpy()[0] for i in range(len(ds))])
         assert got.dtype == np.uint8 and np.array_equal(got, want.astype(np.uint8)), bits

@@ -83,9 +83,9 @@ def air(tmp_path_factory):
 
 def settings(base: Path, **over) -> list[str]:
     s = {"data.root": base / "data", "data.grid": "16,16,4", "data.num_classes": 12, "data.free_class": 0,
-         "data.num_workers": 0, "tokenizer.widths": "8,8", "tokenizer.codebook_size": 16,
+         "loader.num_workers": 0, "tokenizer.widths": "8,8", "tokenizer.codebook_size": 16,
          "tokenizer.code_dim": 8, "world.widths": "8,16", "world.heads": 2, "train.device": "cpu",
-         "train.amp": "fp32", "train.tensorboard": "false", "train.log_every": 1, "train.world_crop": 0,
+         "train.amp": "fp32", "logging.tensorboard": "false", "logging.every": 1, "train.world_crop": 0,
          "tokenizer_stage.batch_size": 2, "tokenizer_stage.max_steps": 2, "tokenizer_stage.warmup_steps": 1,
          "world_stage.batch_size": 2, "world_stage.max_steps": 2, "world_stage.warmup_steps": 1,
          "run.out_dir": base / "runs", "run.name": "airside", **over}

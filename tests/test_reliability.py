@@ -80,7 +80,7 @@ def straight4(tiny_factory):
     t = tiny_factory()
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        assert T.main(t.args(out="straight", tokenizer_stage__max_steps=4, train__ckpt_every=1)) == 0
+        assert T.main(t.args(out="straight", tokenizer_stage__max_steps=4, checkpoint__every=1)) == 0
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
@@ -93,7 +93,7 @@ def straight4(tiny_factory):
 
 @pytest.mark.slow
 def test_1_sigterm_to_the_process_group_with_two_workers_saves_and_exits_0(tiny):
-    p = tiny.spawn(tokenizer_stage__max_steps=40, data__num_workers=2)
+    p = tiny.spawn(tokenizer_stage__max_steps=40, loader__num_workers=2)
     assert p.wait_for(r"^tokenizer step 2/40 ", 120), p.output
     os.killpg(p.pid, signal.SIGTERM)  # what SLURM and `timeout` do: the trainer and its workers
     rc = p.finish(120)
@@ -107,7 +107,7 @@ def test_1_sigterm_to_the_process_group_with_two_workers_saves_and_exits_0(tiny)
 def test_1b_a_stop_read_a_step_late_saves_the_next_step_and_the_resume_is_exact(tiny, monkeypatch, capsys):
     # between logs and saves fit reads a step's flags once the next step is queued: SIGTERM during
     # step 2 is seen there, step 3 runs, is saved, and the resumed run ends where a straight one does
-    over = dict(tokenizer_stage__max_steps=6, train__log_every=100, train__ckpt_every=100)
+    over = dict(tokenizer_stage__max_steps=6, logging__every=100, checkpoint__every=100)
     assert T.main(tiny.args(out="straight", **over)) == 0
     stop_after(monkeypatch, 2)
     assert T.main(tiny.args(out="cut", **over)) == 0
@@ -124,7 +124,7 @@ def test_1b_a_stop_read_a_step_late_saves_the_next_step_and_the_resume_is_exact(
 
 def test_2_corrupted_newest_checkpoint_is_named_skipped_and_the_resume_is_exact(straight4, monkeypatch, capsys):
     t, ref = straight4
-    args = t.args(out="cut", tokenizer_stage__max_steps=4, train__ckpt_every=1)
+    args = t.args(out="cut", tokenizer_stage__max_steps=4, checkpoint__every=1)
     stop_after(monkeypatch, 3)
     assert T.main(args) == 0  # steps 1, 2, 3 saved
     monkeypatch.undo()
@@ -145,7 +145,7 @@ def test_2_corrupted_newest_checkpoint_is_named_skipped_and_the_resume_is_exact(
 
 @pytest.mark.parametrize("garbage", ["same-size", "foreign-pickle"])
 def test_3_garbage_newest_never_suggests_weights_only_false_and_falls_back(tiny, monkeypatch, capsys, garbage):
-    args = tiny.args(tokenizer_stage__max_steps=3, train__ckpt_every=1)
+    args = tiny.args(tokenizer_stage__max_steps=3, checkpoint__every=1)
     stop_after(monkeypatch, 2)
     assert T.main(args) == 0  # steps 1, 2 saved
     monkeypatch.undo()
@@ -166,7 +166,7 @@ def test_3_garbage_newest_never_suggests_weights_only_false_and_falls_back(tiny,
 
 
 def test_4_every_checkpoint_corrupt_is_a_one_line_stop_never_a_restart(tiny, capsys):
-    args = tiny.args(tokenizer_stage__max_steps=4, train__ckpt_every=1)
+    args = tiny.args(tokenizer_stage__max_steps=4, checkpoint__every=1)
     assert T.main(args, stop=Preemption(requested=True)) == 0  # step 1 saved
     folder = cdir(tiny.run_dir())
     files = ck.list_checkpoints(folder)

@@ -43,7 +43,7 @@ def test_a_full_disk_at_start_is_one_line_and_leaves_nothing(tiny, monkeypatch):
 
 
 def test_a_full_disk_at_resume_is_one_line_and_changes_nothing(tiny, monkeypatch):
-    args = tiny.args(tokenizer_stage__max_steps=4, train__ckpt_every=1)
+    args = tiny.args(tokenizer_stage__max_steps=4, checkpoint__every=1)
     stop_after(monkeypatch, 2)
     assert T.main(args) == 0
     monkeypatch.undo()
@@ -141,13 +141,13 @@ def test_a_refusal_names_the_live_holder_never_a_dead_process(tmp_path):
 
 @pytest.mark.slow
 def test_a_trainer_killed_with_workers_alive_restarts_at_once(tiny):
-    first = tiny.spawn(tokenizer_stage__max_steps=400, data__num_workers=2, train__ckpt_every=1)
+    first = tiny.spawn(tokenizer_stage__max_steps=400, loader__num_workers=2, checkpoint__every=1)
     try:
         assert first.wait_for(r"^tokenizer step 2/400 ", 120), first.output
         os.kill(first.pid, signal.SIGKILL)  # the trainer only: its two workers live on for a while
         assert first.p.wait(30) == -signal.SIGKILL
         os.killpg(first.pid, 0)  # the workers are still there
-        second = tiny.spawn(tokenizer_stage__max_steps=400, data__num_workers=2, train__ckpt_every=1)
+        second = tiny.spawn(tokenizer_stage__max_steps=400, loader__num_workers=2, checkpoint__every=1)
         try:
             assert second.wait_for(r"resumed from .* at step \d+/400", 120), second.output
             assert "in use by" not in second.output

@@ -24,9 +24,9 @@ dev = {dev!r}
 grid, classes = (8, 16, 3), 6
 for weighted, masked, lovasz in ((False, False, 1.0), (True, False, 1.0), (False, True, 1.0), (True, True, 0.0)):
     torch.manual_seed(int(weighted) + 2 * int(masked))
-    cfg = TokenizerConfig(widths=(8,), lovasz_impl="histogram", lovasz_weight=lovasz, ce_weight=3.0,
+    cfg = TokenizerConfig(widths=(8,), lovasz_weight=lovasz, ce_weight=3.0,
                           class_weight_power=0.5 if weighted else 0.0)
-    tok = Tokenizer(cfg, classes, grid).to(dev)
+    tok = Tokenizer(cfg, classes, grid, lovasz_impl="histogram").to(dev)
     if weighted:
         tok.set_class_frequencies(torch.tensor([500.0, 120, 30, 0, 7, 1]))
     occ = torch.randint(0, classes, (2, *grid), device=dev)
@@ -82,7 +82,7 @@ torch.library.opcheck(embedding_grad, (ids, torch.randn(3001, 80, device=dev), 1
 # ... so the model and its fused loss trace as one graph (a graph break there cost layout copies)
 if dev == "cpu":  # the interpreter runs the kernels on CPU tensors: let the model hand them over
     Tokenizer._fused = lambda self, h: True
-tok = Tokenizer(TokenizerConfig(widths=(8,), lovasz_impl="histogram"), classes, grid).to(dev)
+tok = Tokenizer(TokenizerConfig(widths=(8,)), classes, grid, lovasz_impl="histogram").to(dev)
 explained = torch._dynamo.explain(tok)(torch.randint(0, classes, (2, *grid), device=dev), logits=False)
 assert explained.graph_break_count == 0, explained.break_reasons
 print("OK")

@@ -115,7 +115,7 @@ def test_sigterm_resume_is_bitwise_exact_mid_epoch(tiny):
 
 @pytest.mark.slow
 def test_sigterm_resume_is_bitwise_exact_with_two_workers(tiny):
-    ref, got, stopped = straight_then_interrupted(tiny, "tokenizer", n=16, k=2, data__num_workers=2)
+    ref, got, stopped = straight_then_interrupted(tiny, "tokenizer", n=16, k=2, loader__num_workers=2)
     assert_same_training_state(ref, got)
 
 
@@ -154,6 +154,20 @@ def test_sigterm_resume_is_bitwise_exact_world_stage(tiny):
     assert got["tokenizer"] == ref["tokenizer"]
 
 
+def test_a_signal_only_sets_the_stop_flag_and_a_third_one_interrupts():
+    import os
+
+    stop = Preemption()
+    stop.install()  # the restore_signals fixture puts the old handlers back
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.requested and stop.signals == 1
+    os.kill(os.getpid(), signal.SIGINT)
+    assert stop.signals == 2
+    with pytest.raises(KeyboardInterrupt):  # a user pressing Ctrl-C again and again wants out now
+        os.kill(os.getpid(), signal.SIGINT)
+    assert not Preemption().requested  # a fresh flag per run: nothing carries over
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. kill -9 at random moments
 
@@ -180,7 +194,7 @@ def test_kill9_at_random_moments_leaves_loadable_checkpoint_and_same_result(tiny
     from conftest import Proc
 
     n = 24
-    over = dict(tokenizer_stage__max_steps=n, train__ckpt_every=1, train__keep_last=2)
+    over = dict(tokenizer_stage__max_steps=n, checkpoint__every=1, checkpoint__keep_last=2)
     p = tiny.spawn(out="straight", **over)
     assert p.finish(240) == 0, p.output
     ref = final_state(tiny.run_dir("straight"))
@@ -264,7 +278,7 @@ def test_failed_save_is_one_clear_error_and_keeps_earlier_checkpoints(tiny, monk
         return real_write(self, b)
 
     monkeypatch.setattr(ck._HashingWriter, "write", write)
-    args = tiny.args(tokenizer_stage__max_steps=6, train__ckpt_every=1, train__keep_last=5)
+    args = tiny.args(tokenizer_stage__max_steps=6, checkpoint__every=1, checkpoint__keep_last=5)
     with pytest.raises(SystemExit) as e:
         run_cli(lambda: T.main(args))
     assert e.value.code == 2
@@ -320,7 +334,7 @@ def nan_in_window(monkeypatch, index: int) -> None:
 def test_nan_batch_is_skipped_and_counted(tiny, monkeypatch, capsys):
     nan_in_window(monkeypatch, 5)
     args = tiny.args(train__stages="tokenizer,world", tokenizer_stage__max_steps=2,
-                     world_stage__max_steps=9, train__ckpt_every=1, train__keep_last=20)
+                     world_stage__max_steps=9, checkpoint__every=1, checkpoint__keep_last=20)
     assert T.main(args) == 0
     rd = tiny.run_dir()
     assert json.loads((rd / "world" / "done.json").read_text())["step"] == 9
@@ -353,7 +367,7 @@ def test_outcomes_read_a_step_late_change_nothing(tiny, monkeypatch, capsys):
     for out, every in (("each", 1), ("late", 100)):
         capsys.readouterr()
         assert T.main(tiny.args(out=out, train__stages="tokenizer,world", tokenizer_stage__max_steps=2,
-                                world_stage__max_steps=9, train__ckpt_every=every, train__log_every=every)) == 0
+                                world_stage__max_steps=9, checkpoint__every=every, logging__every=every)) == 0
         rd = tiny.run_dir(out)
         skips = [(r["step"], r["train/nonfinite_steps"]) for r in metrics_records(rd) if r["kind"] == "world/skip"]
         said = [ln for ln in capsys.readouterr().out.splitlines() if "step skipped" in ln]
@@ -401,7 +415,7 @@ def test_too_many_nonfinite_steps_stop_with_clear_error(tiny, monkeypatch):
 
     monkeypatch.setattr(CodeWindows, "__getitem__", getitem)
     args = tiny.args(train__stages="tokenizer,world", tokenizer_stage__max_steps=2,
-                     world_stage__max_steps=9, train__ckpt_every=1, train__keep_last=20,
+                     world_stage__max_steps=9, checkpoint__every=1, checkpoint__keep_last=20,
                      train__max_nonfinite=3)
     with pytest.raises(WMError) as e:
         T.main(args)
@@ -472,15 +486,15 @@ def test_changed_config_refuses_unless_fresh_which_moves_the_old_run_aside(tiny,
 
 
 def test_resume_may_switch_kernels_and_layouts_which_compute_the_same_function(tiny):
-    # tokenizer.fused_head / channels_last (and world.fused_attention, by the same table; the world section
-    # is free here anyway, its stage has saved nothing): other kernels or layouts for the same model
+    # kernels.tokenizer_head (and kernels.temporal_attention, by the same rule; the world section is free
+    # here anyway, its stage has saved nothing): other kernels or layouts for the same model
     # as if SIGTERM came at once: stops after step 1, saved
     assert T.main(tiny.args(tokenizer_stage__max_steps=3), stop=Preemption(requested=True)) == 0
     assert load(latest_checkpoint(ckpt_dir(tiny.run_dir())))["step"] == 1
     with pytest.raises(WMError, match="tokenizer.embed_dim"):  # a key that changes the model refuses
         T.main(tiny.args(tokenizer_stage__max_steps=3, tokenizer__embed_dim=4))
-    assert T.main(tiny.args(tokenizer_stage__max_steps=3, tokenizer__fused_head=False, tokenizer__channels_last=True,
-                            world__fused_attention=False)) == 0
+    assert T.main(tiny.args(tokenizer_stage__max_steps=3, kernels__tokenizer_head=False,
+                            kernels__temporal_attention=False)) == 0
     assert load(latest_checkpoint(ckpt_dir(tiny.run_dir())))["step"] == 3
 
 
@@ -520,7 +534,7 @@ def logged_run(tiny_factory, one_thread):
     """Both stages, with TensorBoard and images, validating every 2 steps."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     tiny = tiny_factory()
-    args = tiny.args(train__stages="tokenizer,world", train__tensorboard=True,
+    args = tiny.args(train__stages="tokenizer,world", logging__tensorboard=True,
                      tokenizer_stage__max_steps=4, world_stage__max_steps=4,
                      tokenizer_stage__eval_every=2, world_stage__eval_every=2)
     try:
@@ -629,7 +643,7 @@ def test_broken_summary_writer_warns_once_and_training_finishes(tiny, monkeypatc
 
     monkeypatch.setattr(tb, "SummaryWriter", Broken)
     with pytest.warns(RuntimeWarning) as rec:
-        assert T.main(tiny.args(train__tensorboard=True, tokenizer_stage__max_steps=3,
+        assert T.main(tiny.args(logging__tensorboard=True, tokenizer_stage__max_steps=3,
                                 tokenizer_stage__eval_every=1)) == 0
     ours = [w for w in rec if "logging to tensorboard failed" in str(w.message)]
     assert len(ours) == 1, [str(w.message) for w in rec]
@@ -642,7 +656,7 @@ def test_tb_folder_that_is_a_file_warns_once_and_training_finishes(tiny):
     rd.mkdir(parents=True)
     (rd / "tb").write_text("not a folder")
     with pytest.warns(RuntimeWarning) as rec:
-        assert T.main(tiny.args(train__tensorboard=True, tokenizer_stage__max_steps=3,
+        assert T.main(tiny.args(logging__tensorboard=True, tokenizer_stage__max_steps=3,
                                 tokenizer_stage__eval_every=1)) == 0
     ours = [w for w in rec if "logging to tensorboard failed" in str(w.message)]
     assert len(ours) == 1, [str(w.message) for w in rec]
@@ -666,7 +680,7 @@ def test_logger_failing_mid_run_warns_once_and_training_finishes(tiny, monkeypat
 
     monkeypatch.setattr(tb, "SummaryWriter", Flaky)
     with pytest.warns(RuntimeWarning) as rec:
-        assert T.main(tiny.args(train__tensorboard=True, tokenizer_stage__max_steps=4)) == 0
+        assert T.main(tiny.args(logging__tensorboard=True, tokenizer_stage__max_steps=4)) == 0
     ours = [w for w in rec if "logging to tensorboard failed" in str(w.message)]
     assert len(ours) == 1, [str(w.message) for w in rec]
     assert (tiny.run_dir() / "tokenizer" / "done.json").is_file()
@@ -720,7 +734,7 @@ def test_logged_rate_leaves_out_the_validation_time(tiny, restore_signals, one_t
         return real(self, *a, **kw)
 
     monkeypatch.setattr(TokenizerStage, "evaluate", slow_evaluate)
-    args = tiny.args(tokenizer_stage__max_steps=4, tokenizer_stage__eval_every=2, train__log_every=1)
+    args = tiny.args(tokenizer_stage__max_steps=4, tokenizer_stage__eval_every=2, logging__every=1)
     assert T.main(args) == 0
     assert len(slept) == 2  # after steps 2 and 4
     recs = [json.loads(ln) for ln in (tiny.run_dir() / "metrics.jsonl").read_text().splitlines() if ln.strip()]
@@ -763,18 +777,18 @@ def test_compiled_passes_the_stage_inductor_options_with_the_mode(mode, monkeypa
     from types import SimpleNamespace
 
     cfg = Config()
-    cfg.train.compile, cfg.train.compile_mode = True, mode
+    cfg.compile.enable, cfg.compile.mode = True, mode
     model = torch.nn.Linear(2, 2)
     opts = TokenizerStage.inductor_options(SimpleNamespace(cfg=cfg))
     assert opts == {"force_layout_optimization": True, "coordinate_descent_tuning": True}
-    cfg.tokenizer.compile_tuning = cfg.tokenizer.compile_channels_last = False
+    cfg.compile.tokenizer_tuning = cfg.compile.tokenizer_channels_last = False
     assert TokenizerStage.inductor_options(SimpleNamespace(cfg=cfg)) == {}
     W.compiled(model, cfg, opts)  # the real torch.compile checks the option names (it compiles on first call)
     seen = []
     monkeypatch.setattr(torch, "compile", lambda m, **kw: seen.append(kw) or m)
     W.compiled(model, cfg, opts)
     W.compiled(model, cfg, {})
-    cfg.train.compile = False
+    cfg.compile.enable = False
     assert W.compiled(model, cfg, opts) is model
     want = {"default": {}, "reduce-overhead": {"triton.cudagraphs": True},
             "max-autotune-no-cudagraphs": {"max_autotune": True, "coordinate_descent_tuning": True},
@@ -787,14 +801,14 @@ def test_compile_auto_is_on_for_cuda_only_and_the_gpu_presets_use_it(monkeypatch
     from wm.errors import ConfigError
 
     cfg = Config()
-    assert cfg.train.compile == "auto"
+    assert cfg.compile.enable == "auto"
     assert W.compiles(cfg, torch.device("cuda")) and not W.compiles(cfg, torch.device("cpu"))
     for value, want in (("true", True), ("false", False), ("auto", "auto")):
-        assert load_config(None, [f"train.compile={value}"]).train.compile == want
-    assert W.compiles(load_config(None, ["train.compile=true"]), torch.device("cpu"))
-    assert not W.compiles(load_config(None, ["train.compile=false"]), torch.device("cuda"))
-    with pytest.raises(ConfigError, match=r"train\.compile.*'maybe' must be true, false or auto"):
-        load_config(None, ["train.compile=maybe"])
+        assert load_config(None, [f"compile.enable={value}"]).compile.enable == want
+    assert W.compiles(load_config(None, ["compile.enable=true"]), torch.device("cpu"))
+    assert not W.compiles(load_config(None, ["compile.enable=false"]), torch.device("cuda"))
+    with pytest.raises(ConfigError, match=r"compile\.enable.*'maybe' must be true, false or auto"):
+        load_config(None, ["compile.enable=maybe"])
     for preset in ("occworld", "occworld_20min", "occworld_nuscenes"):
         c = load_config(str(Path(__file__).resolve().parents[1] / "configs" / f"{preset}.json"))
         assert W.compiles(c, torch.device("cuda")) and not W.compiles(c, torch.device("cpu")), preset
@@ -805,7 +819,7 @@ def test_compile_auto_is_on_for_cuda_only_and_the_gpu_presets_use_it(monkeypatch
 
 
 def test_the_compiled_tokenizer_has_channels_last_weights_as_inductor_runs_its_convolutions(tiny):
-    # Inductor's layout optimisation (tokenizer.compile_channels_last) runs every convolution NHWC and
+    # Inductor's layout optimisation (compile.tokenizer_channels_last) runs every convolution NHWC and
     # hands back NHWC weight gradients: NCHW weights would be converted each step and their gradients copied
     from wm.config import load as load_config
     from wm.distributed import Dist
@@ -821,12 +835,12 @@ def test_the_compiled_tokenizer_has_channels_last_weights_as_inductor_runs_its_c
             run.close()
 
     cl = torch.channels_last
-    on = weights(train__compile="true")
+    on = weights(compile__enable="true")
     assert on and all(p.stride() == torch.empty(p.shape, memory_format=cl).stride() for p in on.values())
-    eager = weights(train__compile="auto")  # on the CPU: eager; the decoder alone runs channels-last
+    eager = weights(compile__enable="auto")  # on the CPU: eager; the decoder alone runs channels-last
     assert eager["enc_in.weight"].is_contiguous() and not eager["enc_in.weight"].is_contiguous(memory_format=cl)
     assert eager["decoder.0.conv1.weight"].is_contiguous(memory_format=cl)
-    off = weights(train__compile="true", tokenizer__compile_channels_last="false")
+    off = weights(compile__enable="true", compile__tokenizer_channels_last="false")
     assert off["enc_in.weight"].is_contiguous()
     for n in on:  # the same values either way
         assert torch.equal(on[n], eager[n]) and torch.equal(on[n], off[n]), n
@@ -843,7 +857,7 @@ def test_the_first_steps_time_is_logged_apart_and_the_rate_after_it_is_the_stead
         return real(*a, **kw)
 
     monkeypatch.setattr(L, "train_step", slow_first)
-    assert T.main(tiny.args(tokenizer_stage__max_steps=3, train__log_every=3)) == 0
+    assert T.main(tiny.args(tokenizer_stage__max_steps=3, logging__every=3)) == 0
     out = capsys.readouterr().out
     m = re.search(r"^tokenizer: first step (\d+\.\d) s$", out, re.M)
     assert m and float(m.group(1)) >= 2.0, out

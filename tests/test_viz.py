@@ -77,7 +77,7 @@ def test_training_logs_a_legend_picture_in_the_data_sets_colours(tiny, restore_s
 
     shots = []
     monkeypatch.setattr(Logger, "image", lambda self, tag, step, rgb: shots.append((tag, rgb)))
-    assert T.main(tiny.args(train__images=True, tokenizer_stage__max_steps=1)) == 0
+    assert T.main(tiny.args(logging__images=True, tokenizer_stage__max_steps=1)) == 0
     tag, rgb = shots[0]
     assert tag == "tokenizer/val/recon_gt_top_pred_bottom"
     assert rgb.shape[1] >= 2 * 256  # a batch of 2 frames of 16 voxels, each enlarged to 256 px

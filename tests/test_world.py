@@ -2,14 +2,14 @@
 rollout, activation checkpointing."""
 
 import copy
-import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import count_checkpoints
+from conftest import OCCWORLD, count_checkpoints
+from wm.config import ActivationCheckpointConfig, load
 from wm.errors import ConfigError
 from wm.tokenizer import ResBlock, Tokenizer, TokenizerConfig, channels_last_grad, masked_cross_entropy
 from wm.world import TemporalLayer, WorldConfig, WorldModel, compose_motion, count_parameters, displacement
@@ -70,7 +70,7 @@ def test_demo_shapes():
 
 def test_occworld_sizes_on_meta():
     with torch.device("meta"):
-        m = WorldModel(WorldConfig.occworld(), 512)
+        m = WorldModel(load(OCCWORLD).world, 512)
         out = m(torch.zeros(1, 15, 50, 50, dtype=torch.long), torch.zeros(1, 15, 3))
     n = count_parameters(m, trainable_only=True)
     assert 55e6 <= n <= 58e6, n  # OccWorld's world model: ~58 M trainable
@@ -107,12 +107,12 @@ def test_learns_constant_velocity_beats_copy_last():
 
 
 def test_scene_features_stay_channels_last_and_the_layouts_agree():
-    """world.channels_last: every temporal layer reads the scene features as a (B, T, h*w, C) view of the
+    """kernels.world_channels_last: every temporal layer reads the scene features as a (B, T, h*w, C) view of the
     channels-last (B*T, C, h, w) tensor (no copy), every convolution reads channels-last input, and the
     model with NCHW conv weights is the same function of the same parameters."""
     torch.manual_seed(0)
     cl = WorldModel(tiny_cfg(), 32)
-    nchw = WorldModel(tiny_cfg(channels_last=False), 32)
+    nchw = WorldModel(tiny_cfg(), 32, channels_last=False)
     nchw.load_state_dict(cl.state_dict())
     assert cl.out_conv.weight.is_contiguous(memory_format=torch.channels_last)
     assert nchw.out_conv.weight.is_contiguous() and not nchw.out_conv.weight.is_contiguous(memory_format=torch.channels_last)
@@ -149,7 +149,7 @@ def test_convolutions_get_their_output_gradients_channels_last():
     untouched), and both models' parameter gradients agree."""
     torch.manual_seed(0)
     cl = WorldModel(tiny_cfg(), 32)
-    nchw = WorldModel(tiny_cfg(channels_last=False), 32)
+    nchw = WorldModel(tiny_cfg(), 32, channels_last=False)
     nchw.load_state_dict(cl.state_dict())
     codes, motion = torch.randint(0, 32, (2, 6, 8, 8)), torch.randn(2, 6, 3)
     grads = {}
@@ -296,15 +296,15 @@ def test_motion_helpers_and_constant_velocity_prior():
     assert torch.allclose(fut, torch.tensor([[[2.0, 0, 0], [4.0, 0, 0], [6.0, 0, 0]]]), atol=1e-5)
 
 
-@pytest.mark.parametrize("every,policy", [(1, "full"), (2, "full"), (1, "selective")])
-def test_activation_checkpointing_same_gradients(every, policy, monkeypatch):
+@pytest.mark.parametrize("every", [1, 2])
+def test_activation_checkpointing_same_gradients(every, monkeypatch):
     import wm.tokenizer as tk  # the world model checkpoints through wm.tokenizer.checkpointed
 
     calls = count_checkpoints(monkeypatch, tk)
     torch.manual_seed(0)
     base = WorldModel(tiny_cfg(widths=(16, 32), blocks_per_level=2, temporal_layers=2), 32)
     ck = copy.deepcopy(base)
-    ck.cfg = dataclasses.replace(base.cfg, checkpoint_every=every, checkpoint_policy=policy)
+    ck.checkpoint_every = every
     codes = torch.randint(0, 32, (2, 5, 8, 8))
     motion = torch.randn(2, 5, 3)
     ra = base.window_loss(codes, motion)
@@ -337,18 +337,19 @@ def test_init_code_embedding_from_tokenizer():
 
 def test_validate():
     WorldConfig().validate()
-    WorldConfig.occworld().validate()
+    load(OCCWORLD).world.validate()
     for kw, key in (
         (dict(widths=(32,)), "widths"),
         (dict(heads=3), "heads"),
         (dict(max_frames=0), "max_frames"),
-        (dict(checkpoint_every=-1), "checkpoint_every"),
-        (dict(checkpoint_policy="some"), "checkpoint_policy"),
         (dict(motion_weight=-1.0), "motion_weight"),
     ):
         with pytest.raises(ConfigError) as e:
             WorldConfig(**kw).validate()
         assert e.value.key == key
+    with pytest.raises(ConfigError) as e:
+        ActivationCheckpointConfig(world_every=-1).validate()
+    assert e.value.key == "world_every"
     m = WorldModel(tiny_cfg(max_frames=4), 8)
     with pytest.raises(ValueError):
         m(torch.zeros(1, 5, 8, 8, dtype=torch.long), torch.zeros(1, 5, 3))

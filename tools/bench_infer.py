@@ -170,12 +170,14 @@ def models(a, cfg):
 
         t = load_trained(a.run, a.ckpt)
         return t.cfg, t.tokenizer, t.world, f"run {a.run} ({t.ckpt})"
+    from wm.config import model_options
     from wm.tokenizer import Tokenizer
     from wm.world import WorldModel
 
     torch.manual_seed(0)
-    tok = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
-    return cfg, tok.eval(), WorldModel(cfg.world, cfg.tokenizer.codebook_size).eval(), "random (no run given)"
+    tok = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid), **model_options(cfg, "tokenizer"))
+    world = WorldModel(cfg.world, cfg.tokenizer.codebook_size, **model_options(cfg, "world"))
+    return cfg, tok.eval(), world.eval(), "random (no run given)"
 
 
 def export_graphs(cfg, tok, world, out: Path, say) -> dict:

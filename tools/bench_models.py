@@ -2,20 +2,17 @@
 
     python tools/bench_models.py --cfg configs/occworld.json                 # counts (meta device)
     python tools/bench_models.py --cfg configs/occworld.json --time --batch 1 --ckpt 0 1 --json out.json
-    python tools/bench_models.py --cfg configs/occworld.json --time --ckpt 0 1 2 --policy full selective
     python tools/bench_models.py --cfg configs/occworld.json --time --models world --ckpt 0 1 --compile
 
 With --time (CUDA): one training forward+backward per iteration under autocast (bf16 unless
 --amp), after warm-up, for each activation-checkpointing setting given (`--ckpt 0 1 2`: off, every
-block, every 2nd block) and policy (`--policy full selective`: a checkpointed block keeps only its
-input, or also its conv/matmul/attention outputs). Reported per model: ms per step, samples/s, peak allocated memory, and the
+block, every 2nd block). Reported per model: ms per step, samples/s, peak allocated memory, and the
 activation memory (peak during the step minus what was allocated before it: parameters and
 optimizer-free state). World-model samples are windows of `--frames` input frames (default: the
 config's data.past + data.future - 1, what one teacher-forced window feeds).
 """
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -25,19 +22,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wm.config import load  # noqa: E402
+from wm.config import load, model_options  # noqa: E402
 from wm.errors import WMError, run_cli  # noqa: E402
 from wm.tokenizer import Tokenizer, count_parameters  # noqa: E402
 from wm.world import WorldModel  # noqa: E402
 
 
-def build(cfg, ckpt_every=None, policy="full"):
-    tc, wc = cfg.tokenizer, cfg.world
-    if ckpt_every is not None:
-        tc = dataclasses.replace(tc, checkpoint_every=ckpt_every, checkpoint_policy=policy)
-        wc = dataclasses.replace(wc, checkpoint_every=ckpt_every, checkpoint_policy=policy)
-    tok = Tokenizer(tc, cfg.data.num_classes, tuple(cfg.data.grid))
-    world = WorldModel(wc, tc.codebook_size)
+def build(cfg, ckpt_every=None):
+    over = {} if ckpt_every is None else {"checkpoint_every": ckpt_every}
+    tok = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid), **{**model_options(cfg, "tokenizer"), **over})
+    world = WorldModel(cfg.world, cfg.tokenizer.codebook_size, **{**model_options(cfg, "world"), **over})
     return tok, world
 
 
@@ -69,8 +63,6 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--frames", type=int, default=0, help="world-model input frames (0: from the config)")
     ap.add_argument("--ckpt", type=int, nargs="*", default=[0, 1], help="checkpoint_every values to time")
-    ap.add_argument("--policy", nargs="*", default=["full"], choices=["full", "selective"],
-                    help="checkpoint policies to time for every --ckpt value > 0")
     ap.add_argument("--compile", action="store_true", help="torch.compile each step (warm-up compiles)")
     ap.add_argument("--models", nargs="+", choices=("tokenizer", "world"), default=["tokenizer", "world"],
                     help="which models to time")
@@ -102,9 +94,8 @@ def main(argv=None) -> int:
         motion = torch.randn(a.batch, T + 1, 3, device=dev, generator=g)
         print(f"{'model':<10}{'ckpt':>14}{'ms/step':>10}{'samples/s':>11}{'peak GiB':>10}{'activ. GiB':>11}"
               f"   (batch {a.batch}, {a.amp}, world {T} input frames, {torch.cuda.get_device_name()})")
-        settings = [(ck, pol) for ck in a.ckpt for pol in (a.policy if ck > 0 else ["-"])]
-        for ck, pol in settings:
-            tok, world = build(cfg, ck, "full" if pol == "-" else pol)
+        for ck in a.ckpt:
+            tok, world = build(cfg, ck)
             for name, m in (("tokenizer", tok), ("world", world)):
                 if name not in a.models:
                     continue
@@ -123,13 +114,13 @@ def main(argv=None) -> int:
                     torch._dynamo.reset()
                     fn = torch.compile(fn)
                 dt, peak, act = time_step(fn, params, a.iters)
-                out["timings"].append({"model": name, "checkpoint_every": ck, "checkpoint_policy": pol,
+                out["timings"].append({"model": name, "checkpoint_every": ck,
                                        "compile": a.compile, "batch": a.batch,
                                        "frames": 1 if name == "tokenizer" else T, "amp": a.amp,
                                        "ms_per_step": dt * 1e3, "samples_per_s": a.batch / dt,
                                        "peak_gib": peak, "activation_gib": act,
                                        "device": torch.cuda.get_device_name()})
-                print(f"{name:<10}{f'{ck} {pol}':>14}{dt * 1e3:>10.1f}{a.batch / dt:>11.2f}{peak:>10.2f}{act:>11.2f}",
+                print(f"{name:<10}{ck:>14}{dt * 1e3:>10.1f}{a.batch / dt:>11.2f}{peak:>10.2f}{act:>11.2f}",
                       flush=True)
                 if a.json:  # after every setting: a run cut short keeps what it measured
                     Path(a.json).write_text(json.dumps(out, indent=1))

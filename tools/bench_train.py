@@ -27,7 +27,7 @@ Variants (`--variants`, comma-separated; each runs for every stage of `--stages`
   bf16              bf16 autocast at each batch of `--batches` in turn (default 1,2,4,...,64 on
                     CUDA, the config's batch on a CPU; a CUDA out-of-memory ends the sweep
                     cleanly); the best samples/s is kept and is "the best batch" below.
-  bf16-compile      the best batch with torch.compile (train.compile=true).
+  bf16-compile      the best batch with torch.compile (compile.enable=true).
   bf16-ckpt1        the best batch with activation checkpointing on every block.
   bf16-ckptk        ... on every k-th block (`--ckpt-k`, default 2).
   onthefly          world only: the best batch without the token cache, occupancy windows encoded by
@@ -51,7 +51,7 @@ where hdf5plugin is missing).
 DDP: under torchrun every rank runs every variant, rank 0 prints and writes the JSON; samples/s is
 global, step time the slowest rank's, memory the largest. Give the batch the 1-GPU run found
 (`--batches 8`): an out-of-memory on one rank only would leave the other waiting in a collective
-until train.timeout_s. `--scaling a.json b.json` then prints b's samples/s over a's per variant.
+until ddp.timeout_s. `--scaling a.json b.json` then prints b's samples/s over a's per variant.
 
 The extrapolation: OccWorld's whole recipe (wzzheng/OccWorld: config/train_vqvae.py,
 config/train_occworld.py, dataset/dataset.py) is 200 tokenizer epochs and 200 world-model epochs,
@@ -92,7 +92,7 @@ import wm.train as T  # noqa: E402
 import wm.wrappers as W  # noqa: E402
 from wm import distributed as D  # noqa: E402
 from wm.checkpoint import Checkpointer, latest_checkpoint, rng_state  # noqa: E402
-from wm.config import load as load_config, to_dict  # noqa: E402
+from wm.config import load as load_config, model_options, to_dict  # noqa: E402
 from wm.errors import WMError, run_cli  # noqa: E402
 from wm.run import Run  # noqa: E402
 from wm.tokenizer import Tokenizer  # noqa: E402
@@ -191,7 +191,7 @@ class OnTheFlyWorld:
 class Runner:
     """fit's set-up for one stage, minus validation, checkpoints and logging: the model on the device,
     AdamW, the GradScaler, the resumable sampler, the DataLoader and BatchStream, the same seeding,
-    DDP when world > 1 and torch.compile when train.compile. `step()` sets the scheduled learning
+    DDP when world > 1 and torch.compile when compile.enable. `step()` sets the scheduled learning
     rate and runs wm.loop.train_step: the loop's step, nothing else."""
 
     def __init__(self, stage, cfg, d: D.Dist, device: torch.device, dtype):
@@ -238,8 +238,8 @@ class Bench:
 
     def variant_cfg(self, stage: str, amp: str, batch: int, compile_: bool = False, ckpt_every: int = 0):
         cfg = copy.deepcopy(self.run.cfg)
-        cfg.train.amp, cfg.train.compile = amp, compile_
-        getattr(cfg, stage).checkpoint_every = ckpt_every  # tokenizer / world section
+        cfg.train.amp, cfg.compile.enable = amp, compile_
+        setattr(cfg.activation_checkpoint, f"{stage}_every", ckpt_every)
         getattr(cfg, f"{stage}_stage").batch_size = batch
         return cfg.validate()
 
@@ -269,7 +269,7 @@ class Bench:
         st = self.make_stage(stage, cfg, dtype, onthefly)
         runner = Runner(st, cfg, d, device, dtype)
         try:
-            warmup = max(a.warmup, 3) if cfg.train.compile else a.warmup
+            warmup = max(a.warmup, 3) if cfg.compile.enable else a.warmup
             r = None
             for _ in range(warmup):
                 r = runner.step()
@@ -323,8 +323,8 @@ class Bench:
         prec = "fp32" if dtype is None else {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
         rec = {"stage": stage, "variant": name, "status": "ok", "amp": prec, "batch": runner.batch,
                "grad_accum": s.grad_accum, "global_batch": runner.batch * s.grad_accum * d.world_size,
-               "world_size": d.world_size, "compile": cfg.train.compile, "compile_mode": cfg.train.compile_mode,
-               "checkpoint_every": getattr(cfg, stage).checkpoint_every,
+               "world_size": d.world_size, "compile": cfg.compile.enable, "compile_mode": cfg.compile.mode,
+               "checkpoint_every": getattr(cfg.activation_checkpoint, f"{stage}_every"),
                "data": ("occupancy windows, encoded each step" if onthefly else
                         "token cache" if stage == "world" else "occupancy frames"),
                "window_frames": 1 if stage == "tokenizer" else cfg.data.window,
@@ -420,7 +420,7 @@ class Bench:
             if status != "oom":
                 traceback.print_exc()
         self.free()
-        if cfg.train.compile:
+        if cfg.compile.enable:
             torch._dynamo.reset()
         # every rank takes the same path: 0 ok, 1 error, 2 out of memory on some rank
         code = self._agree({"ok": 0, "oom": 2}.get(status, 1), "max")
@@ -428,8 +428,8 @@ class Bench:
             s = getattr(cfg, f"{stage}_stage")
             return {"stage": stage, "variant": name, "batch": s.batch_size, "amp": cfg.train.amp,
                     "status": "oom" if code == 2 else (status if status != "ok" else "error on another rank"),
-                    "compile": cfg.train.compile, "compile_mode": cfg.train.compile_mode,
-                    "checkpoint_every": getattr(cfg, stage).checkpoint_every,
+                    "compile": cfg.compile.enable, "compile_mode": cfg.compile.mode,
+                    "checkpoint_every": getattr(cfg.activation_checkpoint, f"{stage}_every"),
                     "world_size": self.d.world_size}
         return rec
 
@@ -463,7 +463,7 @@ class Bench:
                 runner.step()
             # the async Checkpointer as fit uses it: state copied to CPU, written in the background
             # while training goes on (at least --save-gap steps, and until the write is done, as
-            # with train.ckpt_every steps between saves)
+            # with checkpoint.every steps between saves)
             ck = Checkpointer(folder / "async", keep_last=2, async_save=True) if d.is_main else None
             blocked, write_s, gap_ms = [], [], []
             for i in range(a.saves):
@@ -691,8 +691,8 @@ def main(argv=None) -> int:
     if a.scaling:
         return scaling_report(*a.scaling)
     cfg = load_config(a.cfg, a.set)
-    cfg.train.tensorboard, cfg.train.images = False, False
-    d = D.init(cfg.train.device, cfg.train.timeout_s)
+    cfg.logging.tensorboard, cfg.logging.images = False, False
+    d = D.init(cfg.train.device, cfg.ddp.timeout_s)
     base = None
     try:
         device = d.device
@@ -834,7 +834,7 @@ def ensure_tokenizer_checkpoint(run: Run, d: D.Dist) -> None:
     if d.is_main and latest_checkpoint(folder) is None:
         cfg = run.cfg
         torch.manual_seed(cfg.run.seed)
-        tok = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
+        tok = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid), **model_options(cfg, "tokenizer"))
         with Checkpointer(folder, async_save=False) as ck:
             ck.save({"model": tok.state_dict(), "stage": "tokenizer", "config": to_dict(cfg),
                      "data_fingerprint": run.fingerprint}, 0)

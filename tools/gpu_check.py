@@ -158,7 +158,7 @@ def worker(a) -> int:
 
     B = load_bench()
     cfg = load_config(a.cfg, a.set)
-    d = D.init(cfg.train.device, cfg.train.timeout_s)
+    d = D.init(cfg.train.device, cfg.ddp.timeout_s)
     out: dict = {"stages": {}, "world_size": d.world_size}
     try:
         device = d.device
@@ -175,7 +175,7 @@ def worker(a) -> int:
             res = {}
             for mode in ("eager", "compiled"):
                 c = copy.deepcopy(cfg)
-                c.train.compile = mode == "compiled"
+                c.compile.enable = mode == "compiled"
                 vrun = copy.copy(run)
                 vrun.cfg = c
                 stage = TokenizerStage(vrun) if name == "tokenizer" else WorldStage(vrun, device, dtype)
@@ -245,9 +245,9 @@ def run_worker(a, work: Path, ranks: int, tag: str) -> tuple:
     if a.cfg:
         args += ["--cfg", a.cfg]
     # 1 MiB DDP buckets: several, as at the occworld sizes with 100 MiB
-    sets = ["train.ddp_bucket_mib=1"] + list(a.set) + [f"data.root={work / 'data'}", f"run.out_dir={work / tag}", "run.name=check",
-                          f"train.device={a.device}", "train.tensorboard=false", "train.images=false",
-                          "data.num_workers=0", f"tokenizer_stage.batch_size={a.batch}",
+    sets = ["ddp.bucket_mib=1"] + list(a.set) + [f"data.root={work / 'data'}", f"run.out_dir={work / tag}", "run.name=check",
+                          f"train.device={a.device}", "logging.tensorboard=false", "logging.images=false",
+                          "loader.num_workers=0", f"tokenizer_stage.batch_size={a.batch}",
                           f"world_stage.batch_size={a.batch}", "tokenizer_stage.grad_accum=1",
                           "world_stage.grad_accum=1"]
     for kv in sets:

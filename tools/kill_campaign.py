@@ -45,11 +45,11 @@ from wm.checkpoint import CheckpointError, load_checked, newest_valid, sha256_fi
 from wm.errors import WMError, run_cli  # noqa: E402
 
 SETTINGS = {  # tiny models on 16x16x4 frames; both stages; a save every step, best every 3
-    "data.grid": "16,16,4", "data.past": "2", "data.future": "2", "data.num_workers": "0",
+    "data.grid": "16,16,4", "data.past": "2", "data.future": "2", "loader.num_workers": "0",
     "tokenizer.widths": "8,8,8", "tokenizer.codebook_size": "16", "tokenizer.code_dim": "8",
     "tokenizer.dead_code_steps": "2", "world.widths": "8,16", "world.heads": "2",
-    "train.device": "cpu", "train.tensorboard": "false", "train.log_every": "1",
-    "train.stages": "tokenizer,world", "train.ckpt_every": "1", "train.keep_last": "2",
+    "train.device": "cpu", "logging.tensorboard": "false", "logging.every": "1",
+    "train.stages": "tokenizer,world", "checkpoint.every": "1", "checkpoint.keep_last": "2",
     "tokenizer_stage.batch_size": "2", "tokenizer_stage.warmup_steps": "2",
     "tokenizer_stage.eval_every": "3", "world_stage.batch_size": "2", "world_stage.warmup_steps": "2",
     "world_stage.eval_every": "3",

@@ -23,6 +23,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from wm.atomic import write_bytes
+from wm.config_rules import ALLOWED, FREE, MATCH, rule, rules
+from wm.config_runtime import (ActivationCheckpointConfig, CheckpointConfig, CompileConfig, DDPConfig,
+                               KernelsConfig, LoaderConfig, LoggingConfig)
+from wm.config_upgrade import DROPPED, MOVED, upgrade
 from wm.errors import ConfigError
 from wm.tokenizer import TokenizerConfig
 from wm.world import WorldConfig
@@ -35,8 +39,9 @@ META_KEY = "meta"  # written by wm beside the sections (fingerprint, versions); 
 
 @dataclass
 class RunConfig:
-    name: str = "demo"  # the run folder is <out_dir>/<name>
-    out_dir: str = "runs"  # folder of run folders
+    RESUME, EVALUATE = MATCH, FREE
+    name: str = rule("demo", resume=FREE)  # the run folder is <out_dir>/<name>
+    out_dir: str = rule("runs", resume=FREE)  # folder of run folders
     seed: int = 0  # initial weights, data order and every RNG stream follow from it
 
     def validate(self) -> None:
@@ -46,16 +51,17 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
+    RESUME, EVALUATE = MATCH, FREE  # a checkpoint's grid and classes must be the evaluation's
     # A data set is a folder with manifest.json (wm/shards.py). Empty: the built-in synthetic
     # scenes (section `synthetic`), generated once into a cache folder.
-    root: str = ""  # data set folder (manifest.json + shards); empty: the built-in synthetic scenes
+    root: str = rule("", resume=FREE)  # data set folder (manifest.json + shards); empty: the built-in synthetic scenes
     train_split: str = "train"  # split the stages train on
     val_split: str = "val"  # split validation and --eval-only score
     # What the data must be; checked against the manifest before anything trains, so a
     # class-count or grid mismatch is found in the first second, not after hours.
-    grid: tuple[int, ...] = (64, 64, 8)  # voxels [X, Y, Z] of every frame; X, Y divisible by tokenizer.downsample
-    num_classes: int = 18  # class ids 0..num_classes-1, the free class included
-    free_class: int = 17  # id of empty space (not in mIoU)
+    grid: tuple[int, ...] = rule((64, 64, 8), evaluate=MATCH)  # voxels [X, Y, Z] of every frame; X, Y divisible by tokenizer.downsample
+    num_classes: int = rule(18, evaluate=MATCH)  # class ids 0..num_classes-1, the free class included
+    free_class: int = rule(17, evaluate=MATCH)  # id of empty space (not in mIoU)
     # The classes whose forecast IoU is reported per step, and drawn over the pictures; empty: the data
     # set's (manifest moving_classes, else its nuScenes-named moving classes)
     moving_classes: tuple[str, ...] = ()  # class names that move (empty: the data set's own list)
@@ -75,15 +81,7 @@ class DataConfig:
     # mask_bits=1 scores / trains on the camera mask, 2 on the lidar mask.
     mask_bits: int = 0  # bits of the mask that mean visible (0: any nonzero; Occ3D camera 1, lidar 2)
     max_windows: int = 0  # >0: use only this many windows (evenly spread) per split, for smoke runs
-    # Loader. batch_size is per rank.
     batch_size: int = 8  # samples per rank and micro-step of both stages, unless <stage>_stage.batch_size is set
-    num_workers: int = 2  # DataLoader worker processes per rank
-    prefetch_factor: int = 4  # batches each worker loads ahead
-    pin_memory: bool = True  # page-locked host batches (faster copies to a GPU)
-    persistent_workers: bool = True  # keep the workers between epochs
-    # HDF5 chunk cache per open dataset, per worker. One chunk is one frame, and random windows
-    # never re-read a frame, so a large cache only costs memory (it grows per worker).
-    h5_cache_mib: float = 1.0  # HDF5 chunk cache per open dataset and worker, MiB
 
     @property
     def window(self) -> int:
@@ -104,14 +102,11 @@ class DataConfig:
             raise ConfigError("num_classes", f"{self.num_classes} must be in [2, 256] (labels are uint8)")
         if not 0 <= self.free_class < self.num_classes:
             raise ConfigError("free_class", f"{self.free_class} must be a class id in [0, {self.num_classes})")
-        for k in ("past", "future", "stride", "window_step", "batch_size", "prefetch_factor"):
+        for k in ("past", "future", "stride", "window_step", "batch_size"):
             if getattr(self, k) < 1:
                 raise ConfigError(k, f"{getattr(self, k)} must be >= 1")
-        for k in ("num_workers", "max_windows"):
-            if getattr(self, k) < 0:
-                raise ConfigError(k, f"{getattr(self, k)} must be >= 0")
-        if self.h5_cache_mib < 0:
-            raise ConfigError("h5_cache_mib", f"{self.h5_cache_mib} must be >= 0")
+        if self.max_windows < 0:
+            raise ConfigError("max_windows", f"{self.max_windows} must be >= 0")
         if not all(h > 0 for h in self.horizons_s):
             raise ConfigError("horizons_s", f"{list(self.horizons_s)}: horizons are seconds after the last past "
                               "frame, > 0")
@@ -126,6 +121,7 @@ class DataConfig:
 class SyntheticConfig:
     """The built-in procedural driving scenes (wm/synthetic.py), used when data.root is empty."""
 
+    RESUME, EVALUATE = MATCH, FREE
     train_scenes: int = 24  # scenes generated for the train split
     val_scenes: int = 6  # scenes generated for the val split
     frames: int = 40  # per scene (nuScenes scenes have ~40 at 2 Hz)
@@ -137,7 +133,7 @@ class SyntheticConfig:
     # blocks: solid columns, 37 % occupied (the first generator, far easier than Occ3D)
     style: str = "occ3d"  # which generator: occ3d | blocks (wm/synthetic.py)
     # Generated once, into <cache_dir>/<hash of these settings>. Empty: $WM_CACHE or ~/.cache/wm.
-    cache_dir: str = ""  # where generated sets are kept (empty: $WM_CACHE or ~/.cache/wm)
+    cache_dir: str = rule("", resume=FREE)  # where generated sets are kept (empty: $WM_CACHE or ~/.cache/wm)
 
     def validate(self) -> None:
         from wm.shards import COMPRESSIONS, KINDS
@@ -161,37 +157,18 @@ class SyntheticConfig:
 
 STAGES = ("tokenizer", "world")
 AMP = ("auto", "bf16", "fp16", "fp32")
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 
 
 @dataclass
 class TrainConfig:
     """What holds for the whole run (both stages)."""
 
-    stages: tuple[str, ...] = STAGES  # run these stages in this order
+    RESUME, EVALUATE = MATCH, FREE
+    stages: tuple[str, ...] = rule(STAGES, resume=FREE)  # run these stages in this order
     device: str = "auto"  # auto (CUDA if present) | cuda | cpu
     # auto: bf16 autocast on CUDA and on CPUs with AMX (native bf16 matrices), fp32 on other CPUs
     amp: str = "auto"  # auto | bf16 | fp16 (with GradScaler) | fp32
-    # auto: on for CUDA (the first step compiles, minutes; the log says how long), off on a CPU,
-    # where compiling costs more than it saves
-    compile: bool | str = "auto"  # torch.compile the models: auto (CUDA only) | true | false
-    # reduce-overhead: CUDA graphs (one launch per graph instead of one per kernel; static shapes,
-    # more memory); max-autotune: inductor's kernel search (minutes of compilation)
-    compile_mode: str = "default"  # torch.compile's mode: default | reduce-overhead | max-autotune[-no-cudagraphs]
-    log_every: int = 10  # optimizer steps between console/TensorBoard records
-    ckpt_every: int = 200  # optimizer steps between checkpoints (also at stage end and on SIGTERM)
-    keep_last: int = 3  # step checkpoints kept (>= 2); the best is kept apart
-    async_ckpt: bool = True  # write checkpoints in a background thread
-    max_nonfinite: int = 5  # stop after this many non-finite steps in a row (each one is skipped)
-    timeout_s: float = 900.0  # collective timeout: a dead rank fails the job after this long
-    # DDP gradient all-reduce: bucket size (larger buckets, fewer collectives; the last bucket is
-    # what cannot overlap the backward) and the dtype on the wire (bf16 halves the bytes; the
-    # gradients are averaged in bf16, then used in fp32 as before).
-    ddp_bucket_mib: float = 100.0  # measured: 2 H200s, world model 1.85x at 25 (DDP's default), 1.94x at 100
-    ddp_grad_dtype: str = "fp32"  # fp32 | bf16
-    tensorboard: bool = True  # write TensorBoard logs into <run>/tb
-    images: bool = True  # BEV pictures of ground truth vs forecast at each validation
-    peak_tflops: float = 0.0  # the device's matrix peak, for MFU (0: MFU not reported)
+    max_nonfinite: int = rule(5, resume=FREE)  # stop after this many non-finite steps in a row (each one is skipped)
     forecast_motion: str = "given"  # evaluation rollouts: "given" future ego motion, or "predicted"
     # The world model is convolutional and attends over time per cell, so it can learn from windows of
     # the token map: a random crop x crop square of every training batch (the same for all its frames)
@@ -206,26 +183,10 @@ class TrainConfig:
             raise ConfigError("stages", "the tokenizer stage must come before the world stage")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ConfigError("device", f"{self.device!r} must be auto, cuda or cpu")
-        if isinstance(self.compile, str) and self.compile != "auto":
-            raise ConfigError("compile", f"{self.compile!r} must be true, false or auto (on for CUDA, off on a CPU)")
-        if self.compile_mode not in COMPILE_MODES:
-            raise ConfigError("compile_mode", f"{self.compile_mode!r} must be one of {list(COMPILE_MODES)}")
         if self.amp not in AMP:
             raise ConfigError("amp", f"{self.amp!r} must be one of {list(AMP)}")
-        for k in ("log_every", "ckpt_every", "max_nonfinite"):
-            if getattr(self, k) < 1:
-                raise ConfigError(k, f"{getattr(self, k)} must be >= 1")
-        if self.keep_last < 2:
-            raise ConfigError("keep_last", f"{self.keep_last} must be >= 2: the newest checkpoint may be "
-                              "the one a crash interrupted, so the one before it must survive")
-        if not self.timeout_s > 0:
-            raise ConfigError("timeout_s", f"{self.timeout_s} must be > 0")
-        if not self.ddp_bucket_mib > 0:
-            raise ConfigError("ddp_bucket_mib", f"{self.ddp_bucket_mib} must be > 0")
-        if self.ddp_grad_dtype not in ("fp32", "bf16"):
-            raise ConfigError("ddp_grad_dtype", f"{self.ddp_grad_dtype!r} must be fp32 or bf16")
-        if self.peak_tflops < 0:
-            raise ConfigError("peak_tflops", f"{self.peak_tflops} must be >= 0")
+        if self.max_nonfinite < 1:
+            raise ConfigError("max_nonfinite", f"{self.max_nonfinite} must be >= 1")
         if self.world_crop < 0:
             raise ConfigError("world_crop", f"{self.world_crop} must be >= 0 (0: the whole token map)")
         if self.forecast_motion not in ("given", "predicted"):
@@ -234,12 +195,15 @@ class TrainConfig:
 
 @dataclass
 class StageConfig:
-    """Optimisation of one stage (AdamW, linear warm-up then cosine to min_lr)."""
+    """Optimisation of one stage (AdamW, linear warm-up then cosine to min_lr). A resumed run may
+    change its schedule with --allow-changed; never the batch (the sampler's position) nor what picks
+    the best checkpoint."""
 
+    RESUME, EVALUATE = ALLOWED, FREE
     epochs: int = 10  # passes over the training samples (unless max_steps is set)
     max_steps: int = 0  # >0: stop after this many optimizer steps (smoke runs), else epochs decide
-    batch_size: int = 0  # per rank and micro-step; 0: data.batch_size (the log says which applies)
-    grad_accum: int = 1  # micro-steps per optimizer step
+    batch_size: int = rule(0, resume=MATCH)  # per rank and micro-step; 0: data.batch_size (the log says which applies)
+    grad_accum: int = rule(1, resume=MATCH)  # micro-steps per optimizer step
     lr: float = 1e-3  # peak AdamW learning rate
     min_lr: float = 1e-6  # where the cosine schedule ends
     warmup_steps: int = 50  # linear warm-up from 0 to lr
@@ -247,8 +211,8 @@ class StageConfig:
     betas: tuple[float, ...] = (0.9, 0.95)  # AdamW betas
     clip: float = 35.0  # gradient-norm clip (0: off; the norm is still logged)
     eval_every: int = 0  # optimizer steps between validations (0: at each epoch end; -1: only at the end)
-    best_metric: str = "val/miou"  # the validation metric that picks best.pt (see best_mode)
-    best_mode: str = "max"  # max: higher best_metric is better; min: lower is better
+    best_metric: str = rule("val/miou", resume=MATCH)  # the validation metric that picks best.pt (see best_mode)
+    best_mode: str = rule("max", resume=MATCH)  # max: higher best_metric is better; min: lower is better
     early_stop: int = 0  # stop after this many validations without improvement (0: never)
 
     def validate(self) -> None:
@@ -314,6 +278,13 @@ class Config:
     train: TrainConfig = field(default_factory=_demo_train)
     tokenizer_stage: StageConfig = field(default_factory=_tokenizer_stage)
     world_stage: StageConfig = field(default_factory=_world_stage)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self) -> "Config":
         """Validate every section, then what spans sections. Returns self."""
@@ -355,6 +326,33 @@ def resolve_batch_sizes(d: dict) -> dict:
         if isinstance(d.get(sec), dict) and d[sec].get("batch_size") == 0 and isinstance(d.get("data"), dict):
             d[sec]["batch_size"] = d["data"].get("batch_size")
     return d
+
+
+def model_options(cfg: Config, stage: str) -> dict:
+    """How the model of `stage` runs: the keyword arguments of Tokenizer / WorldModel that come from
+    the sections kernels and activation_checkpoint."""
+    k, ac = cfg.kernels, cfg.activation_checkpoint
+    if stage == "tokenizer":
+        return {"fused_head": k.tokenizer_head, "lovasz_impl": k.lovasz_impl,
+                "fused_embedding_grad": k.embedding_grad, "checkpoint_every": ac.tokenizer_every}
+    return {"fused_attention": k.temporal_attention, "channels_last": k.world_channels_last,
+            "checkpoint_every": ac.world_every}
+
+
+# ---------------------------------------------------------------------------------------------
+# what may change on resume and for --eval-only (wm/config_rules.py)
+
+
+def key_rules() -> dict[str, dict[str, tuple[str, str]]]:
+    """{section: {key: (resume rule, --eval-only rule)}} of every config key."""
+    return {sec: {f.name: rules(cls, f.name) for f in dataclasses.fields(cls)} for sec, cls in _hints(Config).items()}
+
+
+def stage_sections(stage: str) -> tuple[str, ...]:
+    """The sections a checkpoint of `stage` depends on: all but the other stage's optimisation and,
+    for the tokenizer, the world model."""
+    other = ("world", "world_stage") if stage == "tokenizer" else ("tokenizer_stage",)
+    return tuple(sec for sec in _hints(Config) if sec not in other)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,6 +425,10 @@ def _all_keys(cls, prefix: str = "") -> list[str]:
 
 
 def _unknown(key: str, root_cls) -> ConfigError:
+    if key in MOVED:
+        return ConfigError(key, f"unknown key: it is {MOVED[key]} now")
+    if key in DROPPED:
+        return ConfigError(key, f"unknown key: the knob is gone, {DROPPED[key][1]}")
     close = difflib.get_close_matches(key, _all_keys(root_cls), n=1, cutoff=0.6)
     if not close:  # a misspelt leaf under the right section, e.g. data.bach_size
         leaf = key.rsplit(".", 1)[-1]
@@ -439,10 +441,13 @@ def _unknown(key: str, root_cls) -> ConfigError:
 def from_dict(cls, d: Any, prefix: str = "", root_cls=None, base=None):
     """Build dataclass `cls` from a (JSON) dict, refusing unknown keys and wrong types. Keys the dict
     leaves out keep their defaults, a section's defaults being its parent's (`base`: Config's demo
-    stages and tokenizer), so a file's partial section means what the same keys given by --set mean."""
+    stages and tokenizer), so a file's partial section means what the same keys given by --set mean.
+    A whole Config's dict may be in an earlier run folder's layout (`upgrade`)."""
     root_cls = root_cls or cls
     if not isinstance(d, dict):
         raise ConfigError(prefix.rstrip(".") or "<root>", f"expected an object of keys, got {d!r}")
+    if cls is Config and not prefix:
+        d = upgrade(d)[0]
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -514,8 +519,9 @@ def apply_override(cfg, item: str) -> None:
 
 
 def load(path: Optional[str | os.PathLike] = None, overrides: tuple[str, ...] | list[str] = (),
-         cls=Config):
-    """Defaults, then the JSON file (if any), then the overrides; validated."""
+         cls=Config, say=print):
+    """Defaults, then the JSON file (if any), then the overrides; validated. A file in an earlier
+    run folder's layout is read as this one, each change said (`say`) in one line."""
     d: dict = {}
     if path is not None:
         p = Path(path)
@@ -529,6 +535,10 @@ def load(path: Optional[str | os.PathLike] = None, overrides: tuple[str, ...] | 
             raise ConfigError("--cfg", f"cannot read {p}: {e}") from None
     if isinstance(d, dict):
         d.pop(META_KEY, None)
+        if cls is Config:
+            d, notes = upgrade(d)
+            for n in notes:
+                say(f"note: {path}: {n}")
     try:
         cfg = from_dict(cls, d)
     except ConfigError as e:

@@ -1,9 +1,9 @@
 """The config reference, generated from the dataclasses: `python train.py --help-config`, docs/CONFIG.md.
 
-Every key of every section with its type, its default (the built-in demo's, i.e. `Config()`) and
-one line of meaning: the comment on the field's line in its dataclass (wm/config.py,
-wm/tokenizer.py, wm/world.py). So the reference cannot drift from the code: a key added without a
-comment has no meaning to show, and tests/test_config_ref.py fails until it gets one; docs/CONFIG.md
+Every key of every section with its type, its default (the built-in demo's, i.e. `Config()`), its
+rules for resume and --eval-only (wm/config_rules.py) and one line of meaning: the comment on the
+field's line in its dataclass (wm/config.py, wm/config_runtime.py, wm/tokenizer.py, wm/world.py).
+So the reference cannot drift from the code: a key added without a comment has no meaning to show, and tests/test_config_ref.py fails until it gets one; docs/CONFIG.md
 is checked against `reference()` by the same test (regenerate it with
 `python train.py --help-config > docs/CONFIG.md`).
 """
@@ -17,17 +17,25 @@ import json
 import textwrap
 import tokenize
 
-from wm.config import Config, _hints, _type_name, to_dict
+from wm.config import Config, _hints, _type_name, key_rules, to_dict
+from wm.config_rules import WORDS
 
 INTRO = {
     "run": "the run folder and its seed",
-    "data": "the data set, the windows cut from it, the loader",
+    "data": "the data set, the windows cut from it, the batch size",
     "synthetic": "the built-in procedural scenes, used when data.root is empty",
     "tokenizer": "the VQ-VAE (model sizes and loss weights)",
     "world": "the forecasting transformer (model sizes and loss weights)",
     "train": "what holds for the whole run (both stages)",
     "tokenizer_stage": "optimisation of the tokenizer stage",
     "world_stage": "optimisation of the world-model stage",
+    "loader": "how batches are read: DataLoader workers, pinned memory, the HDF5 chunk cache",
+    "compile": "torch.compile of the training step",
+    "kernels": "the Triton kernels (CUDA) and memory layouts the models run, each the same function as its torch path",
+    "activation_checkpoint": "activation checkpointing: blocks recomputed in the backward pass to save memory",
+    "ddp": "more than one rank: the collectives' timeout, DDP's gradient all-reduce",
+    "checkpoint": "when checkpoints are written and how many are kept",
+    "logging": "what is logged, and how often",
 }
 
 
@@ -70,10 +78,16 @@ def reference() -> str:
              "Generated from the dataclasses by `python train.py --help-config` (do not edit by hand: "
              "`python train.py --help-config > docs/CONFIG.md`). Defaults are the built-in demo's "
              "(`python train.py` without `--cfg`); a config file holds only what differs, "
-             "`--set section.key=value` overrides one key.", ""]
+             "`--set section.key=value` overrides one key.", "",
+             "*resume*: what rerunning the command of a run folder may change (a change of a key that must "
+             "match is refused, naming it; one marked --allow-changed is taken when that flag names it, and "
+             "recorded). *--eval-only*: what the config given for evaluation must share with the "
+             "checkpoint's.", ""]
+    rules = key_rules()
     for name, rows in sections():
         lines += [f"## {name}", "", f"{INTRO.get(name, '').capitalize()}.", "",
-                  "| key | type | default | meaning |", "|---|---|---|---|"]
-        lines += [f"| `{name}.{k}` | {t} | `{d}` | {m.replace('|', '/')} |" for k, t, d, m in rows]
+                  "| key | type | default | resume | --eval-only | meaning |", "|---|---|---|---|---|---|"]
+        lines += [f"| `{name}.{k}` | {t} | `{d}` | {WORDS[rules[name][k][0]]} | {WORDS[rules[name][k][1]]} "
+                  f"| {m.replace('|', '/')} |" for k, t, d, m in rows]
         lines.append("")
     return "\n".join(lines)

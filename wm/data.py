@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from wm.config import DataConfig
+from wm.config import DataConfig, LoaderConfig
 from wm.errors import DataError
 from wm.shards import Manifest, Shard, check_moving, open_split
 
@@ -78,11 +78,13 @@ class OccWindows(Dataset):
     """The windows of one split of a data set; items are dicts of tensors:
     `occ` uint8 (T, X, Y, Z), `motion` float32 (T, 3), `mask` uint8 (T, X, Y, Z) if
     data.use_mask, `index` int64 (the window's index, for per-sample randomness and debugging).
-    `keys` names past / future / stride in the message of a window longer than every scene."""
+    `keys` names past / future / stride in the message of a window longer than every scene;
+    `h5_cache_mib`: HDF5's chunk cache per open dataset (loader.h5_cache_mib)."""
 
-    def __init__(self, root: str | os.PathLike, split: str, cfg: DataConfig, keys: dict = CONFIG_KEYS):
+    def __init__(self, root: str | os.PathLike, split: str, cfg: DataConfig, keys: dict = CONFIG_KEYS,
+                 h5_cache_mib: float = 1.0):
         self.cfg, self.split = cfg, split
-        self.manifest, self.shards = open_split(root, split, int(cfg.h5_cache_mib * 2**20))
+        self.manifest, self.shards = open_split(root, split, int(h5_cache_mib * 2**20))
         check_against_config(self.manifest, cfg)
         self.index = window_index(self.shards, cfg.span, cfg.window_step)
         if len(self.index) == 0:
@@ -295,14 +297,13 @@ def start_workers(loader: DataLoader):
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def make_loader(ds: Dataset, sampler, cfg: DataConfig, drop_last: bool = True,
-                batch_size: int = 0) -> DataLoader:
-    """DataLoader over `ds` in `sampler`'s order. Workers open HDF5 files lazily (the shards
-    reopen their handle in the reading process), memory is pinned for async copies to the GPU,
-    and persistent workers keep open handles and warm caches between epochs."""
+def make_loader(ds: Dataset, sampler, cfg: LoaderConfig, batch_size: int, drop_last: bool = True) -> DataLoader:
+    """DataLoader over `ds` in `sampler`'s order, in batches of `batch_size`. Workers open HDF5 files
+    lazily (the shards reopen their handle in the reading process), memory is pinned for async copies
+    to the GPU, and persistent workers keep open handles and warm caches between epochs."""
     workers = cfg.num_workers
     return DataLoader(
-        ds, batch_size=batch_size or cfg.batch_size, sampler=sampler, num_workers=workers,
+        ds, batch_size=batch_size, sampler=sampler, num_workers=workers,
         pin_memory=cfg.pin_memory and torch.cuda.is_available(), drop_last=drop_last,
         persistent_workers=cfg.persistent_workers and workers > 0, worker_init_fn=ignore_stop_signals,
         prefetch_factor=cfg.prefetch_factor if workers > 0 else None)

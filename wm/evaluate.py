@@ -51,7 +51,7 @@ from wm import distributed as D
 from wm.atomic import write_bytes
 from wm.checkpoint import load_checked as load_ckpt, newest_valid, sha256_file
 from wm.ckpt_checks import EVAL_KEYS, checker, first_nonfinite
-from wm.config import Config, DataConfig, to_dict
+from wm.config import MATCH, Config, DataConfig, key_rules, model_options, stage_sections, to_dict, upgrade
 from wm.data import OccWindows, check_against_config, ignore_stop_signals, resolve_root, start_workers
 from wm.datastats import moving_classes
 from wm.errors import DataError, WMError
@@ -70,13 +70,6 @@ __all__ = ["MASK_FIELDS", "PROTOCOL_HORIZONS", "Recon", "Forecast", "reconstruct
 MASK_FIELDS = {"mask": 0, "camera": None, "lidar": None}
 STAGE_WORDS = {"tokenizer": "tokenizer", "world": "world-model"}
 
-# config keys that change training but not the function a checkpoint computes: they may differ
-# between the checkpoint's config and the one given for evaluation
-TRAINING_ONLY = {
-    "tokenizer": {"checkpoint_every", "checkpoint_policy", "ce_weight", "lovasz_weight", "vq_weight", "commitment", "dead_code_steps",
-                  "class_weight_power", "class_weight_max"},
-    "world": {"checkpoint_every", "checkpoint_policy", "ce_weight", "motion_weight"},
-}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,12 +332,13 @@ def load_stage(path: Path, stage: Optional[str] = None, what: str = "--ckpt", st
 
 def config_diffs(old: dict, new: dict, stage: str) -> list[tuple[str, Any, Any]]:
     """(key, old value, new value) of every key that changes the function of a `stage` checkpoint
-    between two config dicts: its model sections (training-only keys aside), the grid and classes."""
-    sections = ("tokenizer",) if stage == "tokenizer" else ("tokenizer", "world")
-    keys = [("data", k) for k in ("grid", "num_classes", "free_class")]
-    keys += [(sec, k) for sec in sections for k in new[sec] if k not in TRAINING_ONLY.get(sec, ())]
+    between two config dicts (of any layout `upgrade` reads): the keys --eval-only must match."""
+    old, new = upgrade(old)[0], upgrade(new)[0]
+    rules = key_rules()
+    keys = [(sec, k) for sec in stage_sections(stage) for k, (_, ev) in rules[sec].items() if ev == MATCH]
     return [(f"{sec}.{k}", old[sec][k], new[sec][k]) for sec, k in keys
-            if isinstance(old.get(sec), dict) and k in old[sec] and old[sec][k] != new[sec][k]]
+            if isinstance(old.get(sec), dict) and k in old[sec] and isinstance(new.get(sec), dict) and k in new[sec]
+            and old[sec][k] != new[sec][k]]
 
 
 def more_keys(diffs: list) -> str:
@@ -392,8 +386,8 @@ def world_tokenizer(st: dict, path: Path, run_dir: Path) -> tuple[Path, str]:
                   "the one it was trained on, or retrain the world stage")
 
 
-def _build(cls, st: dict, path: Path, *a):
-    m = cls(*a)
+def _build(cls, st: dict, path: Path, *a, **kw):
+    m = cls(*a, **kw)
     try:
         m.load_state_dict(st["model"])
     except (RuntimeError, KeyError) as e:
@@ -557,9 +551,11 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
     # ---- tokenizer reconstruction
     if "tokenizer" in stages:
         _, p, st = next(x for x in plan if x[0] == "tokenizer")
-        tok = _build(Tokenizer, st, p, cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid)).to(device).eval()
-        ds = OccWindows(root, split, frames_config(cfg.data, use_mask=field is not None))
-        batches = eval_batches(ds, d, bs["tokenizer"], cfg.data.num_workers, cfg.data.pin_memory, "tokenizer", say)
+        tok = _build(Tokenizer, st, p, cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid),
+                     **model_options(cfg, "tokenizer")).to(device).eval()
+        ds = OccWindows(root, split, frames_config(cfg.data, use_mask=field is not None),
+                        h5_cache_mib=cfg.loader.h5_cache_mib)
+        batches = eval_batches(ds, d, bs["tokenizer"], cfg.loader.num_workers, cfg.loader.pin_memory, "tokenizer", say)
         r = reconstruction(tok, batches,
                            d, device, dtype, cfg.data.num_classes, cfg.data.free_class)
         rep["tokenizer"] = {"checkpoint": str(p), "step": st.get("step"), "sha256": sha256_file(p),
@@ -571,11 +567,14 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
     if "world" in stages:
         _, p, st = next(x for x in plan if x[0] == "world")
         tpath, tsha, tst = tok_for_world
-        tok = _build(Tokenizer, tst, tpath, cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
+        tok = _build(Tokenizer, tst, tpath, cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid),
+                     **model_options(cfg, "tokenizer"))
         tok = tok.to(device).eval().requires_grad_(False)
-        world = _build(WorldModel, st, p, cfg.world, cfg.tokenizer.codebook_size).to(device).eval()
-        ds = OccWindows(root, split, dataclasses.replace(cfg.data, use_mask=field is not None))
-        batches = eval_batches(ds, d, bs["world"], cfg.data.num_workers, cfg.data.pin_memory, "world", say)
+        world = _build(WorldModel, st, p, cfg.world, cfg.tokenizer.codebook_size,
+                       **model_options(cfg, "world")).to(device).eval()
+        ds = OccWindows(root, split, dataclasses.replace(cfg.data, use_mask=field is not None),
+                        h5_cache_mib=cfg.loader.h5_cache_mib)
+        batches = eval_batches(ds, d, bs["world"], cfg.loader.num_workers, cfg.loader.pin_memory, "world", say)
         f = forecast(tok, world, batches,
                      d, device, dtype, cfg.data.past, cfg.data.future, cfg.data.num_classes, cfg.data.free_class,
                      given_motion=cfg.train.forecast_motion == "given")

@@ -27,7 +27,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from wm.config import COMPILE_MODES, Config
+from wm.config import Config
+from wm.config_runtime import COMPILE_MODES
 from wm.data import relative_motion
 from wm.errors import WMError
 from wm.evaluate import autocast
@@ -154,7 +155,7 @@ class Forecaster:
 
     `Forecaster.from_run(run)` loads a run folder; the constructor takes the models themselves (e.g.
     randomly initialised ones of a config, for timing). `dtype`: fp32 | bf16 | fp16 (autocast);
-    `compile`: None or a torch.compile mode (wm.config.COMPILE_MODES; reduce-overhead = CUDA graphs)
+    `compile`: None or a torch.compile mode (wm.config_runtime.COMPILE_MODES; reduce-overhead = CUDA graphs)
     for the tokenizer's encode and decode and the world model's step."""
 
     def __init__(self, cfg: Config, tokenizer: Tokenizer, world: WorldModel, device="cpu", dtype="fp32",

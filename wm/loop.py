@@ -251,7 +251,7 @@ def stage_parts(stage, cfg: Config, d: D.Dist, device: torch.device, dtype) -> S
     opt = make_optimizer(model, s, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     sampler = ResumableSampler(len(stage.train_ds), d.world_size, d.rank, seed=cfg.run.seed, drop_last=True)
-    loader = make_loader(stage.train_ds, sampler, cfg.data, drop_last=True, batch_size=batch)
+    loader = make_loader(stage.train_ds, sampler, cfg.loader, batch, drop_last=True)
     per_rank_batches = batches_per_rank(stage.name, len(stage.train_ds), d.world_size, batch, s.grad_accum)
     steps_per_epoch = per_rank_batches // s.grad_accum
     return StageParts(model, batch, opt, scaler, sampler, loader, steps_per_epoch, stage_total(s, 0, sampler, batch))
@@ -334,8 +334,8 @@ class StageLoop:
         self.model, self.batch, self.opt, self.scaler = parts.model, parts.batch, parts.opt, parts.scaler
         self.sampler, self.loader = parts.sampler, parts.loader
         self.steps_per_epoch, self.total = parts.steps_per_epoch, parts.total
-        self.ckpt = Checkpointer(run.stage_dir(stage.name) / "checkpoints", self.cfg.train.keep_last,
-                                 self.s.best_metric, self.s.best_mode, self.cfg.train.async_ckpt) \
+        self.ckpt = Checkpointer(run.stage_dir(stage.name) / "checkpoints", self.cfg.checkpoint.keep_last,
+                                 self.s.best_metric, self.s.best_mode, self.cfg.checkpoint.async_save) \
             if self.d.is_main else None
         self.step, self.best, self.stale, self.last_val, self.resumed = 0, None, 0, {}, None
         params = [p for g in self.opt.param_groups for p in g["params"]]
@@ -409,14 +409,14 @@ class StageLoop:
 
     def took(self, r: StepResult) -> Due:
         """Count a step taken; what it is due for. The first step's time is said apart: it compiles
-        (train.compile) and starts the loader, so the rates logged after it are the steady ones."""
+        (compile.enable) and starts the loader, so the rates logged after it are the steady ones."""
         self.wait_since += r.data_wait_s
         self.samples_since += r.samples
         self.step += 1
         self.unread.append((self.step, r))
-        step, total, train = self.step, self.total, self.cfg.train
-        due = Due(log=step % train.log_every == 0 or step == total, eval=step % self.eval_every == 0 or step == total,
-                  save=step % train.ckpt_every == 0 or step == total)
+        step, total, cfg = self.step, self.total, self.cfg
+        due = Due(log=step % cfg.logging.every == 0 or step == total, eval=step % self.eval_every == 0 or step == total,
+                  save=step % cfg.checkpoint.every == 0 or step == total)
         if step == self.step_start + 1:
             self.run.say(f"{self.stage.name}: first step {time.perf_counter() - self.t_last:.1f} s"
                          + (" (torch.compile compiling)" if self.fwd is not self.ddp else ""))
@@ -459,8 +459,8 @@ class StageLoop:
         if self.flops_per_sample:
             achieved = self.flops_per_sample * self.samples_since / dt  # all ranks together
             rec["perf/tflops_per_s"] = achieved / 1e12
-            if cfg.train.peak_tflops > 0:
-                rec["perf/mfu"] = achieved / (cfg.train.peak_tflops * 1e12 * d.world_size)
+            if cfg.logging.peak_tflops > 0:
+                rec["perf/mfu"] = achieved / (cfg.logging.peak_tflops * 1e12 * d.world_size)
         if self.ckpt is not None and self.ckpt.last_blocked_s:
             rec["perf/ckpt_blocked_s"] = self.ckpt.last_blocked_s
         self.logger.scalars(self.step, rec, kind=f"{self.stage.name}/train")
@@ -504,7 +504,7 @@ class StageLoop:
             self.save(self.last_val if evaluated else None)
         if self.flops_per_sample is None:  # once per process, after the first step
             self.flops_per_sample = count_flops(self.stage, self.model, r.batch, self.device, self.dtype) \
-                if self.cfg.train.peak_tflops > 0 or self.device.type == "cuda" else 0.0
+                if self.cfg.logging.peak_tflops > 0 or self.device.type == "cuda" else 0.0
         return self.stop_reason is not None
 
     def save(self, metrics: Optional[dict] = None) -> None:

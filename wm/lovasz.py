@@ -6,7 +6,7 @@ J_k = 1 - I_k / U_k when the k-th ranked point joins the predicted foreground (I
 not yet taken, U_k: foreground points plus background points taken). The loss is the mean over the
 classes present in the labels (or over all classes).
 
-Two ways to rank, chosen by tokenizer.lovasz_impl:
+Two ways to rank, chosen by kernels.lovasz_impl:
 
 - "sort" (`lovasz_softmax`): the exact loss and gradient, as Berman et al.'s per-class loop (tested
   against it). One torch.sort of all the errors of a chunk of classes, a gather and a scatter back:

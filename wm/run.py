@@ -21,7 +21,8 @@ from wm import distributed as D, runlock
 from wm.atomic import fsync_dir, require_space
 from wm.checkpoint import latest_checkpoint
 from wm.ckpt_checks import checkpoint_bytes, meta_model
-from wm.config import Config, from_dict, resolve_batch_sizes, save as save_config, to_dict
+from wm.config import (ALLOWED, FREE, MATCH, Config, from_dict, key_rules, resolve_batch_sizes, save as save_config,
+                       stage_sections, to_dict, upgrade)
 from wm.data import check_against_config, resolve_root
 from wm.errors import ConfigError, WMError
 from wm.logs import Logger
@@ -77,7 +78,7 @@ class Run:
             raise error or WMError(failure)
         self.resuming, self.fingerprints = D.broadcast_object((self.resuming, self.fingerprints), d)
         D.barrier(d)
-        self.log = Logger(self.dir, enabled=d.is_main, tensorboard=cfg.train.tensorboard)
+        self.log = Logger(self.dir, enabled=d.is_main, tensorboard=cfg.logging.tensorboard)
 
     def _open_folder(self, fresh: bool, allow_new_data: bool, allow_changed: tuple[str, ...], meta: dict) -> None:
         """Rank 0: take the folder's lock (before anything is written), then resume the same run,
@@ -135,6 +136,9 @@ class Run:
         except (OSError, json.JSONDecodeError) as e:
             raise WMError(f"{prev} is unreadable ({e}); use --fresh to start over") from None
         meta = old.pop("meta", {}) or {}
+        old, notes = upgrade(old)
+        for n in notes:
+            self.say(f"note: {prev}: {n}")
         fp = meta.get("data_fingerprint")
         if fp and fp != self.fingerprint and not allow_new_data:
             raise WMError(f"{self.dir} was trained on data {fp[:16]} but {self.root} is "
@@ -148,22 +152,23 @@ class Run:
         # a stage that has not saved anything yet may still be configured freely
         free = {sec for stage, secs in STAGE_SECTIONS.items()
                 if not latest_checkpoint(self.dir / stage / "checkpoints") for sec in secs}
+        rules = key_rules()
         changed = {f"{sec}.{k}": [a[sec][k], b[sec][k]] for sec in a if sec not in free for k in a[sec]
-                   if a[sec][k] != b[sec][k] and k not in RESUME_MAY_CHANGE.get(sec, ())}
+                   if a[sec][k] != b[sec][k] and rules[sec][k][0] != FREE}
         history = list(meta.get("history") or [])
         self.fingerprints |= {f for h in history for f in h.get("data_fingerprint", ())}
         for key in allow_changed:
             sec, _, k = key.partition(".")
             if sec not in a or k not in a[sec]:
                 raise ConfigError(key, "unknown key given to --allow-changed")
-            if not (sec.endswith("_stage") and k in SAFE_TO_CHANGE):
+            if rules[sec][k][0] != ALLOWED:
                 raise WMError(f"--allow-changed {key}: {key} changes the data or the model, so a run cannot "
-                              f"resume with it changed (keys that may change: <stage>_stage."
-                              f"{{{','.join(SAFE_TO_CHANGE)}}}); use --fresh or another run.name")
+                              f"resume with it changed (keys that may change: {allowed_keys(rules)}); use --fresh "
+                              "or another run.name")
         refused = [k for k in changed if k not in allow_changed]
         if refused:
             diffs = [f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in refused]
-            safe = [k for k in refused if k.partition(".")[0].endswith("_stage") and k.partition(".")[2] in SAFE_TO_CHANGE]
+            safe = [k for k in refused if rules[k.partition(".")[0]][k.partition(".")[2]][0] == ALLOWED]
             hint = (f"; to resume with it, pass --allow-changed {','.join(safe)}" if len(safe) == len(refused)
                     else "")
             raise WMError(f"{self.dir} holds a run with another config ({'; '.join(diffs[:3])}"
@@ -212,10 +217,15 @@ class Run:
 
 STAGE_SECTIONS = {"tokenizer": ("tokenizer", "tokenizer_stage"), "world": ("world", "world_stage")}
 
-# keys of a <stage>_stage section that `--allow-changed` may change on resume: optimisation only,
-# never the data, the model's shape, the batch (the sampler's position) or the seed
-SAFE_TO_CHANGE = ("lr", "min_lr", "clip", "warmup_steps", "weight_decay", "betas", "epochs", "max_steps",
-                  "eval_every", "early_stop")
+
+def allowed_keys(rules: dict) -> str:
+    """The keys --allow-changed takes, for a message: '<stage>_stage.{epochs,max_steps,...}'."""
+    groups: dict[str, list] = {}
+    for sec, keys in rules.items():
+        ks = [k for k, (resume, _) in keys.items() if resume == ALLOWED]
+        if ks:
+            groups.setdefault("<stage>_stage" if sec.endswith("_stage") else sec, ks)
+    return ", ".join(f"{sec}.{{{','.join(ks)}}}" for sec, ks in groups.items())
 
 
 def read_json(path: Path) -> Optional[dict]:
@@ -225,28 +235,15 @@ def read_json(path: Path) -> Optional[dict]:
         return None
     return d if isinstance(d, dict) else None
 
-# keys a resumed run may change without being another run (they do not change what is computed)
-RESUME_MAY_CHANGE = {
-    "data": ("num_workers", "prefetch_factor", "pin_memory", "persistent_workers", "h5_cache_mib", "root"),
-    "train": ("stages", "log_every", "ckpt_every", "keep_last", "async_ckpt", "timeout_s", "tensorboard", "images",
-              "peak_tflops", "max_nonfinite", "compile", "compile_mode"),
-    "synthetic": ("cache_dir",),
-    # the same functions by other kernels or layouts (float rounding apart): a run may switch them on resume
-    "tokenizer": ("fused_head", "channels_last", "compile_channels_last", "compile_tuning"),
-    "world": ("fused_attention", "channels_last"),
-}
-
 
 def run_identity(cfg: dict, stage: str, sections: tuple = ()) -> dict:
-    """The config keys a checkpoint of `stage` must share with this run to be its own: those a
-    resume refuses to change (not RESUME_MAY_CHANGE, SAFE_TO_CHANGE, nor where the folder is), of
-    the sections the stage trains with (or `sections`). ConfigError for a config this wm cannot read."""
+    """The config keys a checkpoint of `stage` must share with this run to be its own: those a resume
+    must match (wm/config_rules.py), of the sections the stage depends on (or `sections`). ConfigError
+    for a config this wm cannot read."""
     d = resolve_batch_sizes(to_dict(from_dict(Config, cfg)))
-    secs = sections or ("run", "data", "synthetic", "train", "tokenizer", f"{stage}_stage") + (
-        ("world",) if stage == "world" else ())
-    return {f"{sec}.{k}": v for sec in secs for k, v in d[sec].items()
-            if k not in RESUME_MAY_CHANGE.get(sec, ()) and not (sec.endswith("_stage") and k in SAFE_TO_CHANGE)
-            and f"{sec}.{k}" not in ("run.name", "run.out_dir")}
+    rules = key_rules()
+    return {f"{sec}.{k}": v for sec in sections or stage_sections(stage) for k, v in d[sec].items()
+            if rules[sec][k][0] == MATCH}
 
 
 def belongs(run: "Run", stage: str, tok_sha: Optional[str] = None, sections: tuple = ()):

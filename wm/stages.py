@@ -19,7 +19,7 @@ from torch import nn
 from wm import distributed as D
 from wm.checkpoint import latest_checkpoint, newest_valid, sha256_file
 from wm.ckpt_checks import EVAL_KEYS, checker, meta_model, shapes
-from wm.config import Config, DataConfig
+from wm.config import Config, DataConfig, model_options
 from wm.data import CodeWindows, OccWindows
 from wm.atomic import fsync_dir
 from wm.datastats import moving_classes, sample_counts
@@ -79,8 +79,8 @@ def check_stages(run: Run) -> None:
         s = getattr(cfg, f"{name}_stage")
         data = stage_data(cfg, name)
         try:
-            samples = len(OccWindows(run.root, cfg.data.train_split, data))
-            OccWindows(run.root, cfg.data.val_split, data)
+            samples = len(OccWindows(run.root, cfg.data.train_split, data, h5_cache_mib=cfg.loader.h5_cache_mib))
+            OccWindows(run.root, cfg.data.val_split, data, h5_cache_mib=cfg.loader.h5_cache_mib)
         except DataError as e:
             raise DataError(f"{name} stage: {e}") from None
         batches_per_rank(name, samples, d.world_size, s.batch_size or cfg.data.batch_size, s.grad_accum)
@@ -106,12 +106,14 @@ class TokenizerStage:
         cfg = run.cfg
         self.run, self.cfg, self.scfg = run, cfg, cfg.tokenizer_stage
         fc = stage_data(cfg, self.name)
-        self.train_ds = OccWindows(run.root, cfg.data.train_split, fc)
+        cache = cfg.loader.h5_cache_mib
+        self.train_ds = OccWindows(run.root, cfg.data.train_split, fc, h5_cache_mib=cache)
         self.val_ds = OccWindows(run.root, cfg.data.val_split,
-                                 dataclasses.replace(fc, max_windows=cfg.data.max_windows))
+                                 dataclasses.replace(fc, max_windows=cfg.data.max_windows), h5_cache_mib=cache)
         torch.manual_seed(cfg.run.seed)  # the initial weights follow run.seed (torch seeds randomly)
-        self.model = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
-        if cfg.tokenizer.compile_channels_last and compiles(cfg, run.d.device):
+        self.model = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid),
+                               **model_options(cfg, self.name))
+        if cfg.compile.tokenizer_channels_last and compiles(cfg, run.d.device):
             # Inductor runs every convolution NHWC: weights laid out so, their gradients come so (no copy)
             self.model.to(memory_format=torch.channels_last)
         self.class_names = run.manifest.info.class_names
@@ -122,10 +124,10 @@ class TokenizerStage:
                 f"{n} {float(v):.1f}" for n, v in zip(self.class_names, w) if float(v) > 1.05))
 
     def inductor_options(self) -> dict:
-        """torch.compile settings of this stage's model (tokenizer.compile_channels_last, compile_tuning)."""
-        t = self.cfg.tokenizer
-        return {**({"force_layout_optimization": True} if t.compile_channels_last else {}),
-                **({"coordinate_descent_tuning": True} if t.compile_tuning else {})}
+        """torch.compile settings of this stage's model (compile.tokenizer_channels_last, tokenizer_tuning)."""
+        c = self.cfg.compile
+        return {**({"force_layout_optimization": True} if c.tokenizer_channels_last else {}),
+                **({"coordinate_descent_tuning": True} if c.tokenizer_tuning else {})}
 
     def loss(self, model: nn.Module, batch: dict) -> dict:
         # the mask is in the batch only with data.use_mask (stage_data)
@@ -153,9 +155,9 @@ class TokenizerStage:
     def evaluate(self, model: nn.Module, d: D.Dist, dtype, device) -> tuple[dict, list]:
         cfg = self.cfg
         batches = eval_batches(self.val_ds, d, self.scfg.batch_size or cfg.data.batch_size,
-                               cfg.data.num_workers, cfg.data.pin_memory, "tokenizer validation", self.run.say)
+                               cfg.loader.num_workers, cfg.loader.pin_memory, "tokenizer validation", self.run.say)
         r = reconstruction(unwrap(model), batches, d, device, dtype, cfg.data.num_classes, cfg.data.free_class,
-                           keep_first=d.is_main and cfg.train.images)
+                           keep_first=d.is_main and cfg.logging.images)
         pics = [("val/recon_gt_top_pred_bottom", r.first, None)] if r.first else []
         s = r.cm.summary()
         out = {"val/iou": s["iou"][0], "val/miou": s["miou"][0],
@@ -173,16 +175,18 @@ class WorldStage:
         tok_ckpt, st = tokenizer_checkpoint(run)
         self.tok_path, self.tok_sha = tok_ckpt, sha256_file(tok_ckpt)
         retire_stale_world(run, tok_ckpt, self.tok_sha)
-        self.tokenizer = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
+        self.tokenizer = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid),
+                                   **model_options(cfg, "tokenizer"))
         self.tokenizer.load_state_dict(st["model"])
         self.tokenizer.eval().requires_grad_(False).to(device)
         run.say(f"world stage: frozen tokenizer {tok_ckpt} (sha256 {self.tok_sha[:12]})")
-        self.windows = OccWindows(run.root, cfg.data.train_split, cfg.data)
-        self.val_ds = OccWindows(run.root, cfg.data.val_split, cfg.data)
+        cache = cfg.loader.h5_cache_mib
+        self.windows = OccWindows(run.root, cfg.data.train_split, cfg.data, h5_cache_mib=cache)
+        self.val_ds = OccWindows(run.root, cfg.data.val_split, cfg.data, h5_cache_mib=cache)
         codes = build_token_cache(run, self.tokenizer, self.tok_sha, device, dtype)
         self.train_ds = CodeWindows(self.windows, codes, codes.with_name(CELL_MASK) if cfg.data.use_mask else None)
         torch.manual_seed(cfg.run.seed)  # here: whether the cache was built must not change them
-        self.model = WorldModel(cfg.world, cfg.tokenizer.codebook_size)
+        self.model = WorldModel(cfg.world, cfg.tokenizer.codebook_size, **model_options(cfg, self.name))
         if cfg.world.widths[0] == cfg.tokenizer.code_dim:  # OccWorld feeds the codebook vectors
             self.model.init_code_embedding(self.tokenizer.codebook)
 
@@ -222,10 +226,10 @@ class WorldStage:
         cfg = self.cfg
         S = cfg.data.future
         batches = eval_batches(self.val_ds, d, self.scfg.batch_size or cfg.data.batch_size,
-                               cfg.data.num_workers, cfg.data.pin_memory, "world validation", self.run.say)
+                               cfg.loader.num_workers, cfg.loader.pin_memory, "world validation", self.run.say)
         f = forecast(self.tokenizer, unwrap(model), batches, d, device, dtype, cfg.data.past, S,
                      cfg.data.num_classes, cfg.data.free_class,
-                     given_motion=cfg.train.forecast_motion == "given", keep_first=d.is_main and cfg.train.images)
+                     given_motion=cfg.train.forecast_motion == "given", keep_first=d.is_main and cfg.logging.images)
         step_s = step_seconds(cfg, self.run.manifest.info)
         pics = [("val/forecast_gt_top_pred_bottom", f.first, [step_label(t + 1, step_s) for t in range(S)])] \
             if f.first else []

@@ -45,7 +45,8 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
     if why and not why.startswith("missing"):
         run.say(f"note: the token cache {why}; encoding the training frames again")
     if why:  # rank 0 builds: the run folder is shared by all ranks
-        frames = OccWindows(run.root, cfg.data.train_split, frames_config(cfg.data, use_mask=use_mask))
+        frames = OccWindows(run.root, cfg.data.train_split, frames_config(cfg.data, use_mask=use_mask),
+                            h5_cache_mib=cfg.loader.h5_cache_mib)
         h, w = tok.token_shape
         for stale in folder.parent.glob(".*.tmp-*") if folder.parent.is_dir() else []:
             shutil.rmtree(stale, ignore_errors=True)  # left by a killed build of an older wm
@@ -55,7 +56,7 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
         cells = np.empty((frames.num_frames, h, w), dtype=np.uint8) if use_mask else None
         # frames in shard order: the OccWindows index of single frames is exactly frame_base order
         loader = torch.utils.data.DataLoader(frames, batch_size=max(8, cfg.data.batch_size), shuffle=False,
-                                             num_workers=cfg.data.num_workers, worker_init_fn=ignore_stop_signals)
+                                             num_workers=cfg.loader.num_workers, worker_init_fn=ignore_stop_signals)
         t0, done = time.time(), 0
         for batch in start_workers(loader):
             occ = batch["occ"].to(device)[:, 0]

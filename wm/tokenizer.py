@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
+from wm.config_rules import FREE, MATCH, rule
 from wm.errors import ConfigError, DataError
-from wm.lovasz import IMPLS as LOVASZ_IMPLS
 from wm.lovasz import HIST_BITS, lovasz_softmax
 
 try:  # Triton ships with CUDA builds of torch; without it the tokenizer takes its torch paths
@@ -58,8 +58,10 @@ __all__ = [
 
 @dataclass
 class TokenizerConfig:
-    """Tokenizer hyper-parameters. Defaults give the small CPU demo model; `occworld()` gives OccWorld's."""
+    """Tokenizer hyper-parameters. Defaults give a small CPU model; configs/occworld.json holds OccWorld's.
+    A checkpoint's function: a resumed run and --eval-only keep them, but for the loss terms."""
 
+    RESUME, EVALUATE = MATCH, MATCH
     embed_dim: int = 8  # class embedding dim per voxel (channels in = Z * embed_dim)
     # encoder widths. OccWorld: 3 levels, a token per 4x4 columns; 2 levels: a token per 2x2 columns,
     # 4x the tokens, which keeps one-voxel objects at the demo's 1.25 m voxels (BENCHMARKS.md)
@@ -70,64 +72,23 @@ class TokenizerConfig:
     mid_attention: bool = True  # attention between the two middle blocks of the encoder and decoder
     codebook_size: int = 128  # number of codes K
     code_dim: int = 32  # dim of each code
-    commitment: float = 0.25  # beta: VQ loss = |sg(z)-e|^2 + beta * |z-sg(e)|^2
-    ce_weight: float = 10.0  # weight of the cross-entropy loss
-    lovasz_weight: float = 1.0  # weight of the Lovasz-softmax loss (0: off)
-    # "histogram" ranks the errors by bins of relative width 2**-10 instead of a sort: the loss within
-    # 2**-10 of the exact one, 8x faster on an H200 (wm/lovasz.py, fused Triton kernels on CUDA)
-    lovasz_impl: str = "sort"  # how the Lovasz loss ranks errors: sort (exact, OccWorld's) | histogram
-    # on CUDA with Triton, for the histogram Lovasz (or none): the class-embedding head, cross-entropy
-    # and Lovasz in two fused kernels that never hold the (N, C, X, Y, Z) logits (wm/tokenizer_head_cuda.py)
-    fused_head: bool = True  # fuse head + losses on CUDA (histogram Lovasz only); false: the torch path
-    # channels-last (NHWC) activations and conv weights: what cuDNN's bf16 convolutions run on, so no
-    # NCHW <-> NHWC copies around each conv (BENCHMARKS.md, issue 15); the same function either way
-    channels_last: bool = False  # activations and conv weights NHWC throughout; false: the encoder NCHW (the decoder is NHWC)
-    # under train.compile: Inductor's layout optimisation, forced on. It lays the activations it writes
-    # out channels-last for cuDNN, but its heuristic turns itself off for any model with a convolution
-    # that halves the channels (every U-Net decoder), so each conv's backward copied its inputs to NHWC
-    # (307 -> 367 frames/s compiled on an H200, BENCHMARKS.md, issue 15; more than channels_last above)
-    compile_channels_last: bool = True  # with train.compile: Inductor lays conv activations out NHWC
-    # under train.compile: Inductor's coordinate-descent tuning of the block sizes of the kernels it
-    # writes (norms, activations): 399 -> 411 frames/s on an H200 (BENCHMARKS.md, issue 15), for about
-    # 3 more minutes of compilation at the start of a run
-    compile_tuning: bool = True  # with train.compile: Inductor tunes its kernels' block sizes
-    vq_weight: float = 1.0  # weight of the vector-quantizer loss
-    dead_code_steps: int = 100  # reset codes unused for this many training forwards; 0 = never
-    checkpoint_every: int = 0  # activation checkpointing: 0 off, 1 every block, k every k-th block
-    # full: a checkpointed block keeps only its input; selective: it also keeps its convolution,
-    # matmul and attention outputs and recomputes only the cheap ops (norms, activations, adds)
-    checkpoint_policy: str = "full"  # what a checkpointed block keeps: full | selective
+    commitment: float = rule(0.25, evaluate=FREE)  # beta: VQ loss = |sg(z)-e|^2 + beta * |z-sg(e)|^2
+    ce_weight: float = rule(10.0, evaluate=FREE)  # weight of the cross-entropy loss
+    lovasz_weight: float = rule(1.0, evaluate=FREE)  # weight of the Lovasz-softmax loss (0: off)
+    vq_weight: float = rule(1.0, evaluate=FREE)  # weight of the vector-quantizer loss
+    dead_code_steps: int = rule(100, evaluate=FREE)  # reset codes unused for this many training forwards; 0 = never
     # Frequency-weighted cross-entropy: class c weighs (share of c in the training data) ** -power,
     # capped at class_weight_max times the lightest class (the free class), the weighted terms
     # averaged over voxels. 0: plain CE (OccWorld); 0.5: inverse square root of the frequency; 1:
     # inverse frequency. Small dynamic objects are a few voxels in thousands: plain CE can ignore
     # them at almost no cost.
-    class_weight_power: float = 0.0  # CE class weight = (class share) ** -power; 0 = plain CE
-    class_weight_max: float = 100.0  # cap on a class's CE weight, relative to the lightest class
+    class_weight_power: float = rule(0.0, evaluate=FREE)  # CE class weight = (class share) ** -power; 0 = plain CE
+    class_weight_max: float = rule(100.0, evaluate=FREE)  # cap on a class's CE weight, relative to the lightest class
 
     @property
     def downsample(self) -> int:
         """Voxel columns per token along X and along Y."""
         return 2 ** (len(self.widths) - 1)
-
-    @classmethod
-    def occworld(cls) -> "TokenizerConfig":
-        """OccWorld's VQ-VAE sizes (config/train_vqvae.py: base 64, ch_mult (1,2,4), 2 blocks, 512 x 128)."""
-        return cls(
-            embed_dim=8,
-            widths=(64, 128, 256),
-            blocks_per_level=2,
-            attn_heads=1,
-            lowest_attention=True,
-            codebook_size=512,
-            code_dim=128,
-            commitment=1.0,
-            ce_weight=10.0,
-            lovasz_weight=1.0,
-            vq_weight=1.0,
-            dead_code_steps=200,
-            checkpoint_every=0,
-        )
 
     def validate(self) -> None:
         for name in ("embed_dim", "blocks_per_level", "attn_heads", "code_dim"):
@@ -141,7 +102,6 @@ class TokenizerConfig:
                 raise ConfigError("widths", f"every width must be a multiple of 4 (GroupNorm), got {self.widths}")
         if self.widths[-1] % self.attn_heads:
             raise ConfigError("attn_heads", f"must divide the lowest-level width {self.widths[-1]}")
-        check_policy(self.checkpoint_policy)
         if self.codebook_size < 2:
             raise ConfigError("codebook_size", f"must be >= 2, got {self.codebook_size}")
         for name in ("commitment", "ce_weight", "lovasz_weight", "vq_weight"):
@@ -152,13 +112,8 @@ class TokenizerConfig:
             raise ConfigError("class_weight_power", f"must be in [0, 2] (0 = plain CE), got {self.class_weight_power}")
         if not (self.class_weight_max >= 1 and math.isfinite(self.class_weight_max)):
             raise ConfigError("class_weight_max", f"must be a finite number >= 1, got {self.class_weight_max}")
-        if self.lovasz_impl not in LOVASZ_IMPLS:
-            raise ConfigError("lovasz_impl", f"must be one of {', '.join(LOVASZ_IMPLS)} (exact, or ranked by "
-                              f"error bins without a sort), got {self.lovasz_impl!r}")
         if self.dead_code_steps < 0:
             raise ConfigError("dead_code_steps", f"must be >= 0 (0 = off), got {self.dead_code_steps}")
-        if self.checkpoint_every < 0:
-            raise ConfigError("checkpoint_every", f"must be >= 0 (0 = off), got {self.checkpoint_every}")
 
 
 def count_parameters(module: nn.Module, trainable_only: bool = False) -> int:
@@ -275,50 +230,21 @@ class Upsample(nn.Module):
 
 # ------------------------------------------------------------------------------------------ checkpointing
 
-CHECKPOINT_POLICIES = ("full", "selective")
-# What selective checkpointing keeps (as torchtitan's op-level policy): the outputs that cost FLOPs to
-# recompute. Everything else in the block (GroupNorm/LayerNorm, SiLU/GELU, residual adds, reshapes and
-# layout copies) is recomputed in the backward pass: cheap in time, most of the bytes.
-_EXPENSIVE_OPS = tuple(getattr(torch.ops.aten, n).default for n in (
-    "mm", "addmm", "bmm", "convolution", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu") if hasattr(torch.ops.aten, n))
-
-
-def check_policy(policy: str) -> None:
-    if policy not in CHECKPOINT_POLICIES:
-        raise ConfigError("checkpoint_policy", f"{policy!r} must be one of {list(CHECKPOINT_POLICIES)} (full: keep "
-                          "only a block's input; selective: also its conv/matmul/attention outputs)")
-
-
-def _keep_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    # wm's own Triton ops (namespace "wm", e.g. the world model's fused temporal attention) count as expensive
-    expensive = op in _EXPENSIVE_OPS or getattr(op, "namespace", "") == "wm"
-    return CheckpointPolicy.MUST_SAVE if expensive else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective_contexts():
-    return create_selective_checkpoint_contexts(_keep_expensive)
-
-
-def checkpointed(fn, *args: Tensor, policy: str = "full") -> Tensor:
-    """fn(*args) with its activations recomputed in the backward pass: all of them ("full") or all but
-    the convolution, matmul and attention outputs ("selective"). Shared by the tokenizer and the world
-    model; the results and gradients equal an unchecked call (tests/test_tokenizer.py)."""
-    if policy == "selective":
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=_selective_contexts)
+def checkpointed(fn, *args: Tensor) -> Tensor:
+    """fn(*args) with its activations recomputed in the backward pass (only its inputs kept). Shared by
+    the tokenizer and the world model; the results and gradients equal an unchecked call
+    (tests/test_tokenizer.py)."""
     return checkpoint(fn, *args, use_reentrant=False)
 
 
-def _run_blocks(blocks: nn.ModuleList, x: Tensor, every: int, active: bool, start: int = 0,
-                policy: str = "full") -> tuple[Tensor, int]:
+def _run_blocks(blocks: nn.ModuleList, x: Tensor, every: int, active: bool, start: int = 0) -> tuple[Tensor, int]:
     """Apply `blocks` in order; ResBlock/AttnBlock number i (counted from `start`) is activation-checkpointed
-    (`policy`) when `active` and i % every == 0. Returns the output and the next block number."""
+    when `active` and i % every == 0. Returns the output and the next block number."""
     i = start
     for blk in blocks:
         if isinstance(blk, (ResBlock, AttnBlock)):
             if active and every > 0 and i % every == 0:
-                x = checkpointed(blk, x, policy=policy)
+                x = checkpointed(blk, x)
             else:
                 x = blk(x)
             i += 1
@@ -449,24 +375,24 @@ class _ClassEmbed(torch.autograd.Function):
     per 32 frames at 200x200x16: 20 ms on an H200); here the weight's gradient is the sum of the
     output gradients per class: on CUDA wm.embedding_grad_cuda's kernel (one-hot tiles in registers,
     0.49 ms on an H200, against 4.2 ms for the one-hot matmul in torch, which writes the (P, C)
-    matrix first), elsewhere an index_add_ in float32."""
+    matrix first), elsewhere an index_add_ in float32. `fused`: the model's flag for that kernel."""
 
     @staticmethod
-    def forward(ctx, occ: Tensor, w: Tensor, dtype: torch.dtype) -> Tensor:
+    def forward(ctx, occ: Tensor, w: Tensor, dtype: torch.dtype, fused: bool) -> Tensor:
         ctx.save_for_backward(occ)
-        ctx.classes, ctx.wdtype = w.shape[0], w.dtype
+        ctx.classes, ctx.wdtype, ctx.fused = w.shape[0], w.dtype, fused
         return F.embedding(occ.long(), w.to(dtype))
 
     @staticmethod
     def backward(ctx, dh: Tensor):
         (occ,) = ctx.saved_tensors
         dh = dh.reshape(occ.numel(), -1)
-        if dh.is_cuda and embedding_grad_cuda is not None:
+        if ctx.fused and dh.is_cuda and embedding_grad_cuda is not None:
             dw = embedding_grad_cuda.embedding_grad(occ.reshape(-1), dh, ctx.classes)
         else:
             dw = dh.new_zeros((ctx.classes, dh.shape[1]), dtype=torch.float32).index_add_(
                 0, occ.reshape(-1).long(), dh.float())
-        return None, dw.to(ctx.wdtype), None
+        return None, dw.to(ctx.wdtype), None, None
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -476,7 +402,10 @@ class Tokenizer(nn.Module):
     """VQ-VAE over occupancy frames.
 
     Tokenizer(cfg, num_classes, grid) with grid = (X, Y, Z), X and Y divisible by d = cfg.downsample
-    (2**(levels-1); OccWorld's 4).
+    (2**(levels-1); OccWorld's 4). How it runs (the config's kernels and activation_checkpoint
+    sections): fused_head, fused_embedding_grad run the Triton kernels on CUDA where they can;
+    lovasz_impl ranks the Lovasz loss's errors (wm.lovasz); checkpoint_every > 0 recomputes the
+    activations of every k-th block in the backward pass.
 
     - encode(occ (..., X, Y, Z) uint8/long) -> codes (..., X/d, Y/d) long
     - decode(codes (..., X/d, Y/d)) -> logits (..., C, X, Y, Z) float
@@ -486,7 +415,9 @@ class Tokenizer(nn.Module):
     - codebook -> (K, code_dim) weight, e.g. for WorldModel.init_code_embedding
     """
 
-    def __init__(self, cfg: TokenizerConfig, num_classes: int, grid: tuple[int, int, int]):
+    def __init__(self, cfg: TokenizerConfig, num_classes: int, grid: tuple[int, int, int],
+                 fused_head: bool = True, lovasz_impl: str = "sort", fused_embedding_grad: bool = True,
+                 checkpoint_every: int = 0):
         super().__init__()
         cfg.validate()
         grid = tuple(int(g) for g in grid)
@@ -499,6 +430,8 @@ class Tokenizer(nn.Module):
         if num_classes < 2:
             raise DataError(f"tokenizer: num_classes must be >= 2, got {num_classes}")
         self.cfg, self.num_classes, self.grid = cfg, num_classes, grid
+        self.fused_head, self.lovasz_impl, self.fused_embedding_grad = fused_head, lovasz_impl, fused_embedding_grad
+        self.checkpoint_every = checkpoint_every
         e, w0, w2 = cfg.embed_dim, cfg.widths[0], cfg.widths[-1]
         low = len(cfg.widths) - 1  # the lowest-resolution level
         cin = grid[2] * e
@@ -544,10 +477,10 @@ class Tokenizer(nn.Module):
         self.dec_out = nn.Conv2d(w0, cin, 3, 1, 1)
         # per-class CE weights (set_class_frequencies); not saved: they follow from the data and config
         self.register_buffer("class_weights", torch.ones(num_classes), persistent=False)
-        # conv weights NHWC where the convolutions run NHWC (.to(device) and load_state_dict keep it), so
-        # each weight's gradient comes with the weight's strides (no copy, and DDP's bucket views match).
-        # The decoder always does: it starts from the quantizer's channels-last z_q.
-        for part in [self] if cfg.channels_last else [self.dec_in, self.decoder]:
+        # the decoder's conv weights NHWC, as its convolutions run from the quantizer's channels-last z_q
+        # (.to(device) and load_state_dict keep it): each weight's gradient comes with the weight's strides
+        # (no copy, and DDP's bucket views match)
+        for part in [self.dec_in, self.decoder]:
             part.to(memory_format=torch.channels_last)
 
     # -- helpers
@@ -565,7 +498,7 @@ class Tokenizer(nn.Module):
         return self.grid[0] // self.downsample, self.grid[1] // self.downsample
 
     def _ckpt_active(self) -> bool:
-        return self.cfg.checkpoint_every > 0 and self.training and torch.is_grad_enabled()
+        return self.checkpoint_every > 0 and self.training and torch.is_grad_enabled()
 
     def _check_occ(self, occ: Tensor) -> None:
         if occ.dim() < 4 or tuple(occ.shape[-3:]) != self.grid:
@@ -579,7 +512,8 @@ class Tokenizer(nn.Module):
         if torch.is_grad_enabled() and w.requires_grad:
             dev = occ.device.type
             auto = dev in ("cuda", "cpu", "xpu") and torch.is_autocast_enabled(dev)
-            h = _ClassEmbed.apply(occ, w, torch.get_autocast_dtype(dev) if auto else w.dtype)  # (N, X, Y, Z, E)
+            dtype = torch.get_autocast_dtype(dev) if auto else w.dtype
+            h = _ClassEmbed.apply(occ, w, dtype, self.fused_embedding_grad)  # (N, X, Y, Z, E)
             h = h.reshape(n, x, y, zz * self.cfg.embed_dim).permute(0, 3, 1, 2)  # channels-last memory
         else:
             # the layout exported graphs have always had (Gather on the (N, Z, X, Y) labels): the INT8
@@ -587,18 +521,16 @@ class Tokenizer(nn.Module):
             h = self.class_embed(occ.long().permute(0, 3, 1, 2))  # (N, Z, X, Y, E)
             h = h.permute(0, 1, 4, 2, 3).reshape(n, zz * self.cfg.embed_dim, x, y)
         # (N, Z*E, X, Y), channel z*E + e
-        h = h.contiguous(memory_format=torch.channels_last if self.cfg.channels_last else torch.contiguous_format)
+        h = h.contiguous()
         h = self.enc_in(h)
-        h, _ = _run_blocks(self.encoder, h, self.cfg.checkpoint_every, self._ckpt_active(),
-                           policy=self.cfg.checkpoint_policy)
+        h, _ = _run_blocks(self.encoder, h, self.checkpoint_every, self._ckpt_active())
         return self.enc_out(F.silu(self.enc_norm(h)))
 
     def _decode_h(self, zq: Tensor) -> Tensor:
         """zq (N, code_dim, h, w) -> the decoder's output (N, Z*E, X, Y), channel z*E + e."""
         h = self.dec_in(zq)
         start = self._n_enc_blocks()
-        h, _ = _run_blocks(self.decoder, h, self.cfg.checkpoint_every, self._ckpt_active(), start,
-                           self.cfg.checkpoint_policy)
+        h, _ = _run_blocks(self.decoder, h, self.checkpoint_every, self._ckpt_active(), start)
         return self.dec_out(F.silu(self.dec_norm(h)))
 
     def _head(self, h: Tensor) -> Tensor:
@@ -608,9 +540,9 @@ class Tokenizer(nn.Module):
         return torch.einsum("nzexy,ce->ncxyz", h, self.class_embed.weight)
 
     def _fused(self, h: Tensor) -> bool:
-        """Whether forward scores `h` with wm.tokenizer_head_cuda (see TokenizerConfig.fused_head)."""
+        """Whether forward scores `h` with wm.tokenizer_head_cuda (the fused_head flag)."""
         cfg = self.cfg
-        return cfg.fused_head and h.is_cuda and (cfg.lovasz_impl == "histogram" or cfg.lovasz_weight == 0) \
+        return self.fused_head and h.is_cuda and (self.lovasz_impl == "histogram" or cfg.lovasz_weight == 0) \
             and tokenizer_head_cuda is not None
 
     def set_class_frequencies(self, counts) -> Tensor:
@@ -705,7 +637,7 @@ class Tokenizer(nn.Module):
             if mask is not None:  # the visible points only (Lovasz ranks errors over whatever it is given)
                 keep = mask.reshape(-1) != 0
                 probs, labels = probs[keep], labels[keep]
-            lov = lovasz_softmax(probs, labels, impl=cfg.lovasz_impl) if labels.numel() else probs.sum() * 0.0
+            lov = lovasz_softmax(probs, labels, impl=self.lovasz_impl) if labels.numel() else probs.sum() * 0.0
         else:
             lov = ce.new_zeros(())
         total = cfg.ce_weight * ce + cfg.lovasz_weight * lov + cfg.vq_weight * vq

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Optional
 
@@ -117,13 +118,14 @@ def main(argv=None, stop: Optional[Preemption] = None) -> int:
     stray = [f for f in ("ckpt", "stage", "split", "mask", "mode", "json") if getattr(args, f) is not None]
     if stray and not args.eval_only:
         raise WMError(f"--{stray[0]} belongs to evaluation; add --eval-only (training ignores it)")
-    cfg = load_config(args.cfg, args.set)
+    quiet = os.environ.get("RANK", "0") != "0"  # torchrun's other ranks: rank 0 says it
+    cfg = load_config(args.cfg, args.set, say=(lambda *a, **k: None) if quiet else print)
     if args.horizons is not None and not args.eval_only:  # plan: a window setting that reaches them
         return print_plan(cfg, args.horizons, resolve_root(cfg))
     stop = Preemption() if stop is None else stop
     if not args.eval_only:  # evaluation keeps the default Ctrl-C: nothing to save
         stop.install()
-    d = D.init(cfg.train.device, cfg.train.timeout_s)
+    d = D.init(cfg.train.device, cfg.ddp.timeout_s)
     broken, run = False, None
     try:
         device = d.device

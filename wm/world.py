@@ -34,13 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from wm.config_rules import FREE, MATCH, rule
 from wm.errors import ConfigError
 
 try:  # Triton ships with CUDA builds of torch; without it the temporal attention takes the torch path
     from wm import temporal_attention_cuda
 except ImportError:
     temporal_attention_cuda = None
-from wm.tokenizer import (ResBlock, channels_last_grad, check_policy, checkpointed, count_parameters,
+from wm.tokenizer import (ResBlock, channels_last_grad, checkpointed, count_parameters,
                           masked_cross_entropy, norm)
 
 # ONNX export must not meet the Triton op. (Not torch.compiler.is_exporting: torch 2.11's Dynamo answers
@@ -62,8 +63,10 @@ __all__ = ["WorldConfig", "WorldModel", "count_parameters", "motion_features", "
 
 @dataclass
 class WorldConfig:
-    """World-model hyper-parameters. Defaults give the small CPU demo model; `occworld()` gives OccWorld's."""
+    """World-model hyper-parameters. Defaults give the small CPU demo model; configs/occworld.json holds
+    OccWorld's. A checkpoint's function: a resumed run and --eval-only keep them, but for the loss weights."""
 
+    RESUME, EVALUATE = MATCH, MATCH
     widths: tuple[int, ...] = (32, 64, 128)  # U-Net widths, one per resolution level (>= 2 levels)
     blocks_per_level: int = 1  # spatial ResBlocks per level
     temporal_layers: int = 1  # causal temporal attention + FFN layers per encoder/decoder level
@@ -72,35 +75,8 @@ class WorldConfig:
     ffn_mult: int = 4  # FFN hidden = ffn_mult * width
     max_frames: int = 16  # longest input sequence (learned frame embeddings); rollout keeps the last ones
     motion_scale: float = 10.0  # metres per unit of the motion input features and displacement head
-    ce_weight: float = 1.0  # weight of the next-frame code cross-entropy
-    motion_weight: float = 0.1  # weight of the ego-motion L2 loss
-    checkpoint_every: int = 0  # activation checkpointing: 0 off, 1 every block, k every k-th block
-    # full: a checkpointed block keeps only its inputs; selective: also its matmul, convolution and
-    # attention outputs, recomputing norms, activations, adds and layout copies (wm.tokenizer.checkpointed)
-    checkpoint_policy: str = "full"  # what a checkpointed block keeps: full | selective
-    # reads q, k, v straight from the projection, no permutes (wm.temporal_attention_cuda)
-    fused_attention: bool = True  # on CUDA, temporal attention in one Triton kernel each way; false: batched matmuls
-    # the scene features are laid out (B, T, h, w, C) from the code embedding on, which the temporal
-    # layers read as (B, T, h*w, C) without a copy; NHWC conv weights keep cuDNN's outputs in that layout
-    channels_last: bool = True  # conv weights channels-last (NHWC) in memory; false: NCHW weights
-
-    @classmethod
-    def occworld(cls) -> "WorldConfig":
-        """OccWorld's sizes (config/occworld.py: channels 128/256/512, 2 blocks, 6 temporal and 2 pose
-        attention layers per level, 8 heads, 15 input frames)."""
-        return cls(
-            widths=(128, 256, 512),
-            blocks_per_level=2,
-            temporal_layers=6,
-            pose_layers=2,
-            heads=8,
-            ffn_mult=4,
-            max_frames=16,
-            motion_scale=10.0,
-            ce_weight=1.0,
-            motion_weight=0.1,
-            checkpoint_every=0,
-        )
+    ce_weight: float = rule(1.0, evaluate=FREE)  # weight of the next-frame code cross-entropy
+    motion_weight: float = rule(0.1, evaluate=FREE)  # weight of the ego-motion L2 loss
 
     def validate(self) -> None:
         if len(self.widths) < 2:
@@ -116,8 +92,7 @@ class WorldConfig:
         for name in ("blocks_per_level", "ffn_mult", "max_frames"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
-        check_policy(self.checkpoint_policy)
-        for name in ("temporal_layers", "pose_layers", "checkpoint_every"):
+        for name in ("temporal_layers", "pose_layers"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
         if not (self.motion_scale > 0 and math.isfinite(self.motion_scale)):
@@ -187,7 +162,7 @@ def short_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     sequences, waste most of each tile: measured on an H200, forward + backward at the occworld
     size (40 000 cells x 8 heads x 11 frames x 16): cuDNN (SDPA's pick) 14.6 ms, flash 23.9,
     mem-efficient 11.4, SDPA's math path 7.5, this 6.6. On CUDA, TemporalLayer takes the Triton
-    kernels of wm.temporal_attention_cuda instead (world.fused_attention; 0.7 ms at that size on an
+    kernels of wm.temporal_attention_cuda instead (kernels.temporal_attention; 0.7 ms at that size on an
     H100). Long sequences (the tokenizer's and the pose layer's spatial attention) keep SDPA. q may hold
     fewer frames than k, v: then they are the last ones (a rollout step with the earlier frames' keys
     and values cached)."""
@@ -221,7 +196,7 @@ class TemporalLayer(nn.Module):
         self.norm2, self.ffn = nn.LayerNorm(c), _ffn(c, ffn_mult)
 
     def _use_kernel(self, x: Tensor, cache: dict | None) -> bool:
-        """The Triton kernel (WorldConfig.fused_attention) on CUDA, for a whole window (no rollout cache:
+        """The Triton kernel (the fused_attention flag) on CUDA, for a whole window (no rollout cache:
         the kernel's queries and keys are the same frames); never while exporting (ONNX has no such op)."""
         b, t, s, c = x.shape
         return (self.fused and cache is None and _kernel_device(x) and temporal_attention_cuda is not None
@@ -278,10 +253,10 @@ def _pose_mlp(cin: int, cout: int) -> nn.Sequential:
 class _Level(nn.Module):
     """One U-Net level's time/ego part: scene conditioning, temporal layers, pose layers at width c."""
 
-    def __init__(self, c: int, cfg: WorldConfig):
+    def __init__(self, c: int, cfg: WorldConfig, fused_attention: bool):
         super().__init__()
         self.cond = nn.Sequential(nn.LayerNorm(c), nn.Linear(c, c))
-        self.temporal = nn.ModuleList(TemporalLayer(c, cfg.heads, cfg.ffn_mult, cfg.fused_attention)
+        self.temporal = nn.ModuleList(TemporalLayer(c, cfg.heads, cfg.ffn_mult, fused_attention)
                                       for _ in range(cfg.temporal_layers))
         self.pose = nn.ModuleList(PoseLayer(c, cfg.heads, cfg.ffn_mult) for _ in range(cfg.pose_layers))
 
@@ -305,14 +280,19 @@ class WorldModel(nn.Module):
       -> (codes (B,steps,h,w) long, motion (B,steps,3)): autoregressive argmax; motion predicted, or the
       given future_motion is used (and returned) instead
     - init_code_embedding(codebook (K, widths[0]), freeze=False)
+
+    How it runs (the config's kernels and activation_checkpoint sections): fused_attention runs the
+    temporal attention's Triton kernel on CUDA; channels_last lays the conv weights out NHWC;
+    checkpoint_every > 0 recomputes the activations of every k-th block in the backward pass.
     """
 
-    def __init__(self, cfg: WorldConfig, num_codes: int):
+    def __init__(self, cfg: WorldConfig, num_codes: int, fused_attention: bool = True, channels_last: bool = True,
+                 checkpoint_every: int = 0):
         super().__init__()
         cfg.validate()
         if num_codes < 2:
             raise ValueError(f"world model: num_codes must be >= 2, got {num_codes}")
-        self.cfg, self.num_codes = cfg, num_codes
+        self.cfg, self.num_codes, self.checkpoint_every = cfg, num_codes, checkpoint_every
         widths, nb = cfg.widths, cfg.blocks_per_level
         c0 = widths[0]
         self.code_embed = nn.Embedding(num_codes, c0)
@@ -326,7 +306,7 @@ class WorldModel(nn.Module):
         self.enc_levels, self.enc_blocks, self.enc_pose, self.downs = (nn.ModuleList() for _ in range(4))
         c = c0
         for w in widths[:-1]:
-            self.enc_levels.append(_Level(c, cfg))
+            self.enc_levels.append(_Level(c, cfg, fused_attention))
             self.enc_blocks.append(nn.ModuleList(ResBlock(c if j == 0 else w, w) for j in range(nb)))
             self.enc_pose.append(_pose_mlp(c, w))
             self.downs.append(nn.Conv2d(w, w, 2, 2))
@@ -338,7 +318,7 @@ class WorldModel(nn.Module):
         for w in reversed(widths[:-1]):
             self.ups.append(nn.ConvTranspose2d(c, w, 2, 2))
             self.pose_ups.append(nn.Linear(c, w))
-            self.dec_levels.append(_Level(2 * w, cfg))
+            self.dec_levels.append(_Level(2 * w, cfg, fused_attention))
             self.dec_blocks.append(nn.ModuleList(ResBlock(2 * w if j == 0 else w, w) for j in range(nb)))
             self.dec_pose.append(_pose_mlp(2 * w, w))
             c = w
@@ -356,7 +336,7 @@ class WorldModel(nn.Module):
             order += [*lvl.temporal, *lvl.pose, *blocks]
         for i, blk in enumerate(order):
             blk.block_index = i
-        if cfg.channels_last:  # .to(device) and load_state_dict keep it
+        if channels_last:  # .to(device) and load_state_dict keep it
             self.to(memory_format=torch.channels_last)
 
     # -- embedding from the tokenizer
@@ -376,13 +356,13 @@ class WorldModel(nn.Module):
 
     # -- trunk
     def _ckpt_active(self) -> bool:
-        return self.cfg.checkpoint_every > 0 and self.training and torch.is_grad_enabled()
+        return self.checkpoint_every > 0 and self.training and torch.is_grad_enabled()
 
     def _call(self, blk: nn.Module, *args: Tensor, cache: dict | None = None) -> Tensor:
         """Run one block, activation-checkpointed if it is every k-th block (by its block_index);
         `cache` (attention layers, rollout only) holds the earlier frames' keys and values."""
-        if self._ckpt_active() and blk.block_index % self.cfg.checkpoint_every == 0:
-            return checkpointed(blk, *args, policy=self.cfg.checkpoint_policy)
+        if self._ckpt_active() and blk.block_index % self.checkpoint_every == 0:
+            return checkpointed(blk, *args)
         return blk(*args) if cache is None else blk(*args, cache=cache)
 
     def _level(self, lvl: _Level, x: Tensor, p: Tensor, b: int, t: int,
@@ -483,7 +463,7 @@ class WorldModel(nn.Module):
         lg, tg, m = logits.flatten(0, 1), target.flatten(0, 1), None if mask is None else mask.flatten(0, 1)
         rows = lg.permute(0, 2, 3, 1)  # (B*T, h, w, K)
         if rows.is_contiguous():
-            # channels-last logits (world.channels_last): a cell's K scores are one contiguous row, so the
+            # channels-last logits (kernels.world_channels_last): a cell's K scores are one contiguous row, so the
             # CE runs over (cells, K) rows; over dim 1 of the (B*T, K, h, w) view torch's log-softmax
             # would copy the logits to NCHW first, and their gradient back
             lg, tg, m = rows.reshape(-1, self.num_codes), tg.reshape(-1), None if m is None else m.reshape(-1)

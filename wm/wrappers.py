@@ -26,13 +26,13 @@ def unwrap(model: nn.Module) -> nn.Module:
 def wrap_ddp(model: nn.Module, cfg: Config, device: torch.device, d: D.Dist) -> nn.Module:
     """The model under DistributedDataParallel when there is more than one rank, else the model.
     Gradients are views into DDP's buckets (no copy in or out of them); bucket size and wire dtype
-    from train.ddp_bucket_mib / train.ddp_grad_dtype."""
+    from ddp.bucket_mib / ddp.grad_dtype."""
     if not d.active:
         return model
     ddp = nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None,
-        bucket_cap_mb=cfg.train.ddp_bucket_mib, gradient_as_bucket_view=True)
-    if cfg.train.ddp_grad_dtype == "bf16":
+        bucket_cap_mb=cfg.ddp.bucket_mib, gradient_as_bucket_view=True)
+    if cfg.ddp.grad_dtype == "bf16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
@@ -40,13 +40,13 @@ def wrap_ddp(model: nn.Module, cfg: Config, device: torch.device, d: D.Dist) -> 
 
 
 def compiles(cfg: Config, device: torch.device) -> bool:
-    """Whether training runs torch.compile'd: train.compile, "auto" meaning on CUDA only."""
-    return device.type == "cuda" if cfg.train.compile == "auto" else bool(cfg.train.compile)
+    """Whether training runs torch.compile'd: compile.enable, "auto" meaning on CUDA only."""
+    return device.type == "cuda" if cfg.compile.enable == "auto" else bool(cfg.compile.enable)
 
 
 def compiled(ddp: nn.Module, cfg: Config, inductor: Optional[dict] = None) -> nn.Module:
     """What the training forward goes through: the (DDP-wrapped) model, torch.compile'd when
-    train.compile (`compiles`), in train.compile_mode, with the stage's Inductor settings (`inductor`,
+    compile.enable (`compiles`), in compile.mode, with the stage's Inductor settings (`inductor`,
     the stage's `inductor_options()`; they hold for this model's compilation only)."""
     if not compiles(cfg, next(unwrap(ddp).parameters()).device):
         return ddp
@@ -55,8 +55,8 @@ def compiled(ddp: nn.Module, cfg: Config, inductor: Optional[dict] = None) -> nn
         # layouts its neighbours do not produce, and one piece's backward read out of bounds
         torch._dynamo.config.optimize_ddp = False
     if not inductor:
-        return torch.compile(ddp, mode=cfg.train.compile_mode)
+        return torch.compile(ddp, mode=cfg.compile.mode)
     # torch.compile takes a mode or options, not both: a mode is a set of options
     from torch._inductor import list_mode_options
 
-    return torch.compile(ddp, options={**list_mode_options(cfg.train.compile_mode), **inductor})
+    return torch.compile(ddp, options={**list_mode_options(cfg.compile.mode), **inductor})

@@ -47,8 +47,9 @@ def windows(trained, root, split: str, n: int, what: str, log: Callable[[str], N
 
     cfg = trained.cfg
     root = Path(root) if root else resolve_root(cfg, log=lambda *a, **k: None)
-    dcfg = dataclasses.replace(cfg.data, max_windows=0, num_workers=0)
-    ds = OccWindows(root, split, dcfg)  # DataError (one line) for a missing split or a data/config mismatch
+    dcfg = dataclasses.replace(cfg.data, max_windows=0)
+    # DataError (one line) for a missing split or a data/config mismatch
+    ds = OccWindows(root, split, dcfg, h5_cache_mib=cfg.loader.h5_cache_mib)
     total = len(ds)
     if total == 0:
         raise Int8Error(f"split {split!r} of {root} has no window of {cfg.data.past + cfg.data.future} "

@@ -44,7 +44,7 @@ from torch import nn
 from wm.atomic import discard, publish, tmp_path
 from wm.checkpoint import latest_checkpoint, load, newest_valid
 from wm.ckpt_checks import EVAL_KEYS, checker, first_nonfinite
-from wm.config import Config, from_dict
+from wm.config import Config, from_dict, model_options
 from wm.errors import ConfigError, WMError
 from wm.tokenizer import Tokenizer
 from wm.world import WorldModel
@@ -129,8 +129,8 @@ def load_trained(run: str | os.PathLike, ckpt: Optional[str | os.PathLike] = Non
         raise ExportError(f"config mismatch: tokenizer {tpath} was trained with {key}={a!r} but world checkpoint "
                           f"{ckpt} records {b!r}{more_keys(diffs)}: its world stage ran that tokenizer with other "
                           "settings; retrain the world stage with the tokenizer's config")
-    tok = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid))
-    world = WorldModel(cfg.world, cfg.tokenizer.codebook_size)
+    tok = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid), **model_options(cfg, "tokenizer"))
+    world = WorldModel(cfg.world, cfg.tokenizer.codebook_size, **model_options(cfg, "world"))
     try:
         tok.load_state_dict(tst["model"])
         world.load_state_dict(st["model"])
