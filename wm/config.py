@@ -460,6 +460,15 @@ def from_dict(cls, d: Any, prefix: str = "", root_cls=None, base=None):
     return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
 
 
+def from_saved(d: Any) -> "Config":
+    """A run's saved config (its config.json, a checkpoint's): the keys it lacks were added after it
+    was written and take their class defaults, which keep what ran before they existed (a partial
+    config file takes the demo's defaults instead, as from_dict gives them)."""
+    hints = _hints(Config)
+    base = Config(**{f.name: hints[f.name]() for f in dataclasses.fields(Config)})
+    return from_dict(Config, d, base=base)
+
+
 def to_dict(cfg) -> dict:
     """The config as plain JSON types (tuples become lists)."""
     return json.loads(json.dumps(dataclasses.asdict(cfg)))

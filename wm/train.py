@@ -45,7 +45,7 @@ import wm
 from wm import distributed as D, runlock
 from wm.checkpoint import (Checkpointer, latest_checkpoint, load_checked, newest_valid, rng_state,
                            set_rng_state, sha256_file, write_atomic)
-from wm.config import (Config, DataConfig, StageConfig, from_dict, load as load_config, resolve_batch_sizes,
+from wm.config import (Config, DataConfig, StageConfig, from_saved, load as load_config, resolve_batch_sizes,
                        save as save_config, stage_batch, to_dict)
 from wm.data import (CodeWindows, OccWindows, ResumableSampler, check_against_config, ignore_stop_signals, make_loader,
                      resolve_root, start_workers)
@@ -271,7 +271,7 @@ class Run:
                           f"{self.fingerprint[:16]}; pass --allow-new-data to resume on it anyway, or "
                           "--fresh / another run.name to start over")
         try:
-            old_cfg = from_dict(Config, old)
+            old_cfg = from_saved(old)
         except ConfigError as e:
             raise WMError(f"{prev}: {e}; use --fresh to start over") from None
         a, b = resolve_batch_sizes(to_dict(old_cfg)), resolve_batch_sizes(to_dict(self.cfg))
@@ -371,7 +371,7 @@ def run_identity(cfg: dict, stage: str, sections: tuple = ()) -> dict:
     """The config keys a checkpoint of `stage` must share with this run to be its own: those a
     resume refuses to change (not RESUME_MAY_CHANGE, SAFE_TO_CHANGE, nor where the folder is), of
     the sections the stage trains with (or `sections`). ConfigError for a config this wm cannot read."""
-    d = resolve_batch_sizes(to_dict(from_dict(Config, cfg)))
+    d = resolve_batch_sizes(to_dict(from_saved(cfg)))
     secs = sections or ("run", "data", "synthetic", "train", "tokenizer", f"{stage}_stage") + (
         ("world",) if stage == "world" else ())
     return {f"{sec}.{k}": v for sec in secs for k, v in d[sec].items()
