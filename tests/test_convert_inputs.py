@@ -243,14 +243,14 @@ def test_no_lock_file_is_left_behind(tmp_path):
     assert not (tmp_path / "out2" / ".convert.lock").exists()
 
 
-def test_readme_names_the_files_a_memmap_shard_holds(tmp_path):
+def test_data_guide_names_the_files_a_memmap_shard_holds(tmp_path):
     src, out = tmp_path / "src", tmp_path / "out"
     make_occ3d(src, SCENES[:2])
     assert convert_occ3d(src, out, "--format", "memmap").returncode == 0
     shard = next(out.glob("*.mm"))
     held = sorted(p.name for p in shard.iterdir())
-    readme = (ROOT / "README.md").read_text()
-    bullet = next(ln for ln in readme.split("\n- ") if ln.startswith("**memmap shard**"))
+    guide = (ROOT / "docs" / "DATA.md").read_text()
+    bullet = next(ln for ln in guide.split("\n- ") if ln.startswith("**memmap shard**"))
     for name in held:
         assert name in bullet, (name, bullet)
     assert "scene_names.npy" not in held

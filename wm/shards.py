@@ -39,8 +39,8 @@ SUFFIX = {"hdf5": ".h5", "memmap": ".mm"}
 
 # HDF5 compressions a shard may use. gzip is in every stock HDF5 build; zstd and lz4
 # come from the hdf5plugin package (registered on import), which every wm reader imports. The
-# default is chosen by measurement (read speed first, size second): README "Choosing the HDF5
-# compression" has the table; zstd3 reads ~4x faster than gzip1 at ~5x fewer bytes. h5py's lzf is
+# default is chosen by measurement (read speed first, size second): BENCHMARKS.md, "Data", has
+# the table; zstd3 reads ~4x faster than gzip1 at ~5x fewer bytes. h5py's lzf is
 # left out: its output is not byte-reproducible (liblzf's hash table is not initialised), so a
 # regenerated data set would get another fingerprint, and it reads slower than gzip1 here.
 COMPRESSIONS = {  # name: (filter, level)
