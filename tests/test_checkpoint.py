@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import wm.checkpoint as ck
+from wm import atomic
 from wm.checkpoint import Checkpointer, CheckpointError
 from wm.errors import ConfigError, WMError
 
@@ -459,7 +460,7 @@ def test_failed_save_keeps_previous_checkpoints_and_pointer(tmp_path, monkeypatc
             if Path(path).name.startswith(victim):
                 return FailingFile(path, mode, err, limit=4096 if where == "file-write" else 0)
             return real_open(path, mode, *a, **kw)
-        monkeypatch.setattr(ck, "open", bad_open, raising=False)
+        monkeypatch.setattr(atomic, "open", bad_open, raising=False)
 
     with pytest.raises(CheckpointError) as ei:
         c.save(small_state(3, big=torch.zeros(10_000)), 3, metrics={"iou": 0.9})

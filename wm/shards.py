@@ -30,7 +30,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from wm.atomic import fsync_dir, tmp_path, write_bytes
+from wm.atomic import publish, tmp_path, write_bytes
 from wm.errors import DataError, first_line
 
 FORMAT, VERSION = "wm-occ", 1
@@ -314,9 +314,8 @@ class ShardWriter:
             (self.tmp / "attrs.json").write_text(json.dumps(attrs, indent=1, sort_keys=True))
         if self.path.exists():  # overwrite=True
             _remove(self.path)
-        os.replace(self.tmp, self.path)
+        publish(self.tmp, self.path)
         self.closed = True
-        fsync_dir(self.path.parent)
         return {"path": self.path.name, "kind": self.kind, "scenes": len(self.names),
                 "frames": self.n, "bytes": _size(self.path), "sha256": shard_sha256(self.path)}
 
