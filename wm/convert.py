@@ -49,7 +49,8 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
-from wm.atomic import write_bytes
+from wm import runlock
+from wm.atomic import clean_temps, write_bytes
 from wm.errors import DataError, first_line
 from wm.recording_checks import TIME_UNITS, int64_us, reframe, yaw_stats
 from wm.shards import (COMPRESSIONS, DEFAULT_COMPRESSION, MANIFEST, OCC3D_CLASSES, SUFFIX, DatasetInfo, Manifest,
@@ -820,32 +821,6 @@ def _write_shard(job: tuple) -> tuple[Optional[dict], list[dict], np.ndarray]:
     return {**entry, "split": task.split, **extra}, skipped, hist
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # gone (or no such pid can exist)
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
-def clean_temps(out: Path) -> list[str]:
-    """Remove `.<name>.tmp-<pid>` leftovers (files or memmap folders) of processes that are gone."""
-    removed = []
-    for p in out.iterdir():
-        m = re.fullmatch(r"\.(.+)\.tmp-(\d+)", p.name)
-        if m and not _pid_alive(int(m.group(2))):
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
-            removed.append(p.name)
-    return removed
-
-
 def _shard_contents(path: Path, kind: str, info: DatasetInfo, compression: str) -> Optional[tuple[list[str], int]]:
     """(scene names, frames) of a finished shard if it was written with these settings, else None."""
     try:
@@ -876,31 +851,6 @@ def _shard_contents(path: Path, kind: str, info: DatasetInfo, compression: str) 
 
 def _size(p: Path) -> int:
     return sum(f.stat().st_size for f in p.iterdir()) if p.is_dir() else p.stat().st_size
-
-
-@contextmanager
-def _lock(out: Path):
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock
-        yield
-        return
-    path = out / ".convert.lock"
-    f = open(path, "a")
-    try:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            # the holder removes the file when done: a lock won on a removed file is no lock
-            if not path.exists() or os.stat(path).st_ino != os.fstat(f.fileno()).st_ino:
-                raise OSError
-        except OSError:
-            raise DataError(f"another conversion is writing into {out}; wait for it or choose another --out") from None
-        try:
-            yield
-        finally:
-            path.unlink(missing_ok=True)  # while still holding it; nothing is left in --out
-    finally:
-        f.close()
 
 
 class Progress:
@@ -982,9 +932,9 @@ def convert(out: str | os.PathLike, info: DatasetInfo, order: dict[str, list[str
     record = dict(record or {"options": {}})
     extra = dict(extra or {})
     tasks = plan_shards(order, specs, kind, scenes_per_shard)
-    with _lock(out):
+    with runlock.held(out, log, runlock.CONVERSION):
         _check_record(out, record)
-        stale = clean_temps(out)
+        stale = [p.name for p in clean_temps(out)]
         if stale:
             log(f"removed {len(stale)} unfinished temporaries of an interrupted run: {', '.join(stale[:4])}"
                 f"{' ...' if len(stale) > 4 else ''}")
