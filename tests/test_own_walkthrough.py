@@ -147,7 +147,7 @@ def test_walkthrough_reaches_1s_and_2s_and_shows_the_moving_classes(air, restore
 def test_the_readme_says_what_the_tools_do():
     """The own-recordings section and the Occ3D section against the code (behaviour: tests/test_int8.py
     for --eval-windows beyond the split, tests/test_convert.py for the chain ends)."""
-    from wm.convert import CHAIN_END
+    from wm.convert_occ3d import CHAIN_END
 
     text = " ".join((ROOT / "README.md").read_text().split())
     assert "is refused when the validation split has fewer" not in text

@@ -70,10 +70,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wm.convert import (TIME_UNITS, VISIBLE_BITS, YAW_UNITS, add_writer_args, convert_and_report,  # noqa: E402
-                        frames_scenes, median_rate, peek_grid)
-from wm.recording_checks import (GRID_MULTIPLE, check_range, grid_note, plan_fit, rate_problem,  # noqa: E402
-                                 time_unit_outliers, yaw_unit_note)
+from wm.convert import add_writer_args, convert_and_report  # noqa: E402
+from wm.convert_frames import VISIBLE_BITS, YAW_UNITS, frames_scenes, median_rate, peek_grid  # noqa: E402
+from wm.recording_checks import (GRID_MULTIPLE, TIME_UNITS, check_range, grid_note, plan_fit,  # noqa: E402
+                                 rate_problem, time_unit_outliers, yaw_unit_note)
 from wm.datastats import moving_classes  # noqa: E402
 from wm.errors import DataError, run_cli  # noqa: E402
 from wm.shards import DatasetInfo, check_moving  # noqa: E402
