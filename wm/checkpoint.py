@@ -58,7 +58,7 @@ with anything but ``weights_only=True``, and no message suggests otherwise.
   ``close`` waits for it and re-raises its failure.
 
 The class knows nothing of distributed training: the loop calls it on rank 0 only (every rank
-may call :func:`latest_checkpoint` / :func:`resume_state` / :func:`load` to resume).
+may call :func:`newest_valid` / :func:`load` to resume).
 """
 
 from __future__ import annotations
@@ -94,7 +94,6 @@ __all__ = [
     "newest_valid",
     "verify",
     "write_hashed",
-    "resume_state",
     "latest_checkpoint",
     "list_checkpoints",
     "rng_state",
@@ -510,13 +509,6 @@ def newest_valid(folder: str | os.PathLike, map_location: Any = "cpu", say: Call
     raise CheckpointError(f"no valid checkpoint in {folder}: {'; '.join(why[:3])}"
                           f"{f' (and {len(why) - 3} more)' if len(why) > 3 else ''}; restore a copy of the "
                           "folder, or start over with --fresh (the folder is moved aside, not deleted)")
-
-
-def resume_state(folder: str | os.PathLike, map_location: Any = "cpu") -> dict | None:
-    """The state of the newest valid checkpoint of `folder` (see newest_valid), or None when the
-    folder holds none. A folder holding only damaged checkpoints raises CheckpointError."""
-    found = newest_valid(folder, map_location, say=lambda m: warnings.warn(m, stacklevel=2))
-    return None if found is None else found[1]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import os
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -83,8 +83,6 @@ OCC3D_CLASSES = (
     "pedestrian", "traffic_cone", "trailer", "truck", "driveable_surface", "other_flat",
     "sidewalk", "terrain", "manmade", "vegetation", "free",
 )
-
-FIELDS = ("occ", "mask", "pose", "timestamp", "scene_offsets")  # arrays; scene_names apart
 
 
 @dataclass
@@ -466,12 +464,6 @@ def load_manifest(root: str | os.PathLike) -> Manifest:
         if s["kind"] not in KINDS:
             raise DataError(f"{p}: shards[{i}].kind is {s['kind']!r}, expected one of {list(KINDS)}")
     return Manifest(root, info, list(shards))
-
-
-def write_dataset(root: str | os.PathLike, info: DatasetInfo, entries: Iterable[dict]) -> Manifest:
-    m = Manifest(Path(root), info, list(entries))
-    m.write()
-    return m
 
 
 def verify(root: str | os.PathLike) -> list[str]:
