@@ -417,6 +417,18 @@ def test_empty_or_missing_folder_has_no_latest(tmp_path):
     assert Checkpointer(tmp_path / "new").latest() is None
 
 
+def test_a_first_save_killed_before_its_sha256_resumes_from_it(tmp_path):
+    c = Checkpointer(tmp_path)
+    c.save(small_state(1), 1)
+    c.close()
+    (tmp_path / "step_000000001.pt.sha256").unlink()  # what a kill between steps 1 and 4 leaves
+    (tmp_path / "latest").unlink()
+    assert resume_state(tmp_path)["step"] == 1
+    (tmp_path / "step_000000001.pt").write_bytes(b"PK\x03\x04 damaged")
+    with pytest.raises(CheckpointError):
+        resume_state(tmp_path)
+
+
 # --------------------------------------------------------------------------------------------------
 # failures keep everything that was there
 

@@ -236,7 +236,7 @@ def main(argv=None) -> int:
                "voxel_size": list(info.voxel_size), "range": list(info.range),
                "frame_rate_hz": info.frame_rate_hz, "key": a.key, "mask_key": a.mask_key,
                "time_unit": a.time_unit, "splits": {k: v for k, v in order.items()}}
-    # recorded only when used, so data sets converted before these options existed still resume
+    # recorded only when used: a resume compares records key by key, and one without them has none
     for k, v in (("yaw_units", a.yaw_units if a.yaw_units != "rad" else None), ("fit", fit),
                  ("class_colors", dict(info.class_colors) or None),
                  ("moving_classes", list(info.moving_classes) or None)):

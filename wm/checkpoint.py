@@ -43,9 +43,8 @@ Why no kill at any instant loses best, latest or a finished stage:
   at the last step and write it then.
 
 Integrity: every load checks the file against its record (the .sha256 file of a step file;
-best.json for best.pt; the `latest` pointer for a run written before .sha256 files existed); a file
-with no record anywhere (a checkpoint copied elsewhere) is checked against its zip's own CRC-32 of
-every record. :func:`load_checked` is the one way to load a checkpoint file (a step file must also
+best.json for best.pt); a file with no record (a checkpoint copied elsewhere) is checked against its
+zip's own CRC-32 of every record. :func:`load_checked` is the one way to load a checkpoint file (a step file must also
 hold the step its name says, and a caller's `check`, wm.ckpt_checks, says whether an intact state
 belongs where it is loaded); :func:`newest_valid` finds the newest one that passes in a folder,
 naming each one it skips with the reason. Nothing is ever loaded
@@ -366,7 +365,7 @@ def _write_sums(path: Path, sha: str) -> None:
 
 def _record(path: Path) -> tuple[str | None, str] | None:
     """(sha256 or None if the record is damaged, where it is recorded) for `path`, or None if no
-    record names it: its .sha256 file, best.json for best.pt, or the `latest` pointer."""
+    record names it: its .sha256 file, or best.json for best.pt."""
     sums = _sums_file(path)
     if sums.exists():
         try:
@@ -380,9 +379,6 @@ def _record(path: Path) -> tuple[str | None, str] | None:
         if d is not None or (path.parent / BEST_JSON).exists():
             sha = d.get("sha256") if d else None
             return (sha if isinstance(sha, str) else None), BEST_JSON
-    d = _read_json(path.parent / POINTER)
-    if d is not None and d.get("file") == path.name and isinstance(d.get("sha256"), str):
-        return d["sha256"], POINTER
     return None
 
 
@@ -466,15 +462,16 @@ def _load(path: Path, map_location: Any) -> Any:
         raise _refused(path, f"is truncated or corrupt ({msg})") from e
 
 
-load = load_checked  # the historical name: every load is a checked one
+load = load_checked  # the short name: every load is a checked one
 
 
 def _committed(folder: Path) -> list[Path]:
-    """The step files that count, newest first: those with their .sha256 file (in a folder written
-    before .sha256 files existed, every step file)."""
+    """The step files that count, newest first: those with their .sha256 file; where none has one
+    yet (the first save killed between its rename and its .sha256), every step file: each was
+    renamed into place whole, and is checked against its zip's CRC-32s."""
     files = list_checkpoints(folder)
-    legacy = not any(_sums_file(p).exists() for p in files)
-    return [p for p in reversed(files) if legacy or _sums_file(p).exists()]
+    first = not any(_sums_file(p).exists() for p in files)
+    return [p for p in reversed(files) if first or _sums_file(p).exists()]
 
 
 def newest_valid(folder: str | os.PathLike, map_location: Any = "cpu", say: Callable[[str], Any] = print,

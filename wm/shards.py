@@ -98,7 +98,7 @@ class DatasetInfo:
     frame_rate_hz: float = 2.0
     has_mask: bool = False
     # {class name: [r, g, b]} for the pictures (wm.viz.class_palette); optional, and left out of
-    # manifest.json when empty, so data sets without it keep their fingerprint
+    # manifest.json when empty: the fingerprint of a data set without colors has no such key
     class_colors: dict = field(default_factory=dict)
     # the classes that move, in the order tables list them (wm.datastats.moving_classes); optional and
     # left out of manifest.json when empty, where nuScenes-named classes stand for them
