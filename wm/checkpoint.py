@@ -601,11 +601,6 @@ class Checkpointer:
         """The `step_*.pt` files, oldest step first."""
         return list_checkpoints(self.folder)
 
-    @property
-    def best_path(self) -> Path | None:
-        p = self.folder / BEST
-        return p if p.is_file() else None
-
     def __enter__(self) -> "Checkpointer":
         return self
 
