@@ -4,6 +4,8 @@ order, and what a conversion leaves behind. Each through the CLI, as a user meet
 
 import io
 import json
+import subprocess
+import sys
 import zipfile
 import zlib
 from pathlib import Path
@@ -241,6 +243,32 @@ def test_no_lock_file_is_left_behind(tmp_path):
     html_named_npz(_labels_file(src, "scene-0001", 0))
     one_error_line(convert_occ3d(src, tmp_path / "out2"))  # a failed run leaves none either
     assert not (tmp_path / "out2" / ".convert.lock").exists()
+
+
+HOLD_LOCK = """
+import fcntl, sys, time
+f = open(sys.argv[1], "a")
+fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a POSIX record lock, as the run lock's
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_conversion_into_a_folder_another_process_holds_is_refused_naming_it(tmp_path):
+    src, out = tmp_path / "src", tmp_path / "out"
+    make_occ3d(src, SCENES[:2])
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out / ".convert.lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        line = one_error_line(convert_occ3d(src, out))
+        assert f"{out} is in use by pid {holder.pid} on host " in line and "choose another --out" in line, line
+        assert sorted(p.name for p in out.iterdir()) == [".convert.lock"]  # nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
 
 
 def test_data_guide_names_the_files_a_memmap_shard_holds(tmp_path):

@@ -147,7 +147,7 @@ def test_walkthrough_reaches_1s_and_2s_and_shows_the_moving_classes(air, restore
 def test_the_guides_say_what_the_tools_do():
     """The own-recordings guide and the Occ3D guide against the code (behaviour: tests/test_int8.py
     for --eval-windows beyond the split, tests/test_convert.py for the chain ends)."""
-    from wm.convert import CHAIN_END
+    from wm.convert_occ3d import CHAIN_END
 
     pages = (ROOT / "docs" / "OWN_RECORDINGS.md", ROOT / "docs" / "OCC3D.md")
     text = " ".join(" ".join(p.read_text() for p in pages).split())

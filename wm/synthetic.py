@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from wm.atomic import tmp_path
 from wm.errors import DataError
 from wm.shards import DEFAULT_COMPRESSION, OCC3D_CLASSES, DatasetInfo, Manifest, ShardWriter, load_manifest
 
@@ -579,7 +580,7 @@ def ensure_synthetic(cfg, grid, log=print) -> Path:
     except OSError as e:
         raise DataError(f"cannot create the synthetic data cache {base} ({e}); "
                         "set synthetic.cache_dir or $WM_CACHE to a writable folder") from None
-    tmp = base / f".synthetic-{h}.tmp-{os.getpid()}"
+    tmp = tmp_path(path)
     shutil.rmtree(tmp, ignore_errors=True)
     log(f"generating synthetic {cfg.style} scenes ({cfg.train_scenes}+{cfg.val_scenes} scenes x {cfg.frames} "
         f"frames, grid {'x'.join(map(str, grid))}) into {path} (once)")

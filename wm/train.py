@@ -44,12 +44,12 @@ from torch import nn
 import wm
 from wm import distributed as D, runlock
 from wm.checkpoint import (Checkpointer, latest_checkpoint, load_checked, newest_valid, rng_state,
-                           set_rng_state, sha256_file, write_atomic)
+                           set_rng_state, sha256_file, write_hashed)
 from wm.config import (Config, DataConfig, StageConfig, from_saved, load as load_config, resolve_batch_sizes,
                        save as save_config, stage_batch, to_dict)
 from wm.data import (CodeWindows, OccWindows, ResumableSampler, check_against_config, ignore_stop_signals, make_loader,
                      resolve_root, start_workers)
-from wm.atomic import fsync_dir, require_space, write_bytes
+from wm.atomic import clean_temps, fsync_dir, require_space, write_bytes
 from wm.ckpt_checks import EVAL_KEYS, all_finite, checker, checkpoint_bytes, first_nonfinite, meta_model, shapes
 from wm.datastats import moving_classes, sample_counts
 from wm.errors import ConfigError, DataError, WMError, first_line
@@ -699,8 +699,7 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
     if why:  # rank 0 builds: the run folder is shared by all ranks
         frames = OccWindows(run.root, cfg.data.train_split, frames_config(cfg.data, use_mask=use_mask))
         h, w = tok.token_shape
-        for stale in folder.parent.glob(".*.tmp-*") if folder.parent.is_dir() else []:
-            shutil.rmtree(stale, ignore_errors=True)  # left by a killed build of an older wm
+        clean_temps(folder)  # the half-written codes of a killed build
         # codes are gathered in memory (int16 50x50 per frame: 140 MB for nuScenes' 28k train frames),
         # then written like a checkpoint: no memory map that a full disk would turn into SIGBUS
         out = np.empty((frames.num_frames, h, w), dtype=np.int16)
@@ -739,12 +738,11 @@ def write_token_cache(folder: Path, codes: np.ndarray, meta: dict, cells: np.nda
         if (folder / "meta.json").exists():
             (folder / "meta.json").unlink()  # a cache being replaced stops counting first
         folder.mkdir(parents=True, exist_ok=True)
-        size, sha = write_atomic(folder / "codes.npy", lambda f: np.lib.format.write_array(f, codes))
+        size, sha = write_hashed(folder / "codes.npy", lambda f: np.lib.format.write_array(f, codes))
         meta = dict(meta, codes_bytes=size, codes_sha256=sha)
         if cells is not None:
-            meta["cell_mask_sha256"] = write_atomic(folder / CELL_MASK, lambda f: np.lib.format.write_array(f, cells))[1]
-        data = json.dumps(meta, indent=1).encode()
-        write_atomic(folder / "meta.json", lambda f: f.write(data))
+            meta["cell_mask_sha256"] = write_hashed(folder / CELL_MASK, lambda f: np.lib.format.write_array(f, cells))[1]
+        write_bytes(folder / "meta.json", json.dumps(meta, indent=1))
     except OSError as e:
         shutil.rmtree(folder, ignore_errors=True)
         raise WMError(f"cannot write the token cache {folder}: {e.strerror or first_line(e)}; nothing was kept "
