@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 import wm.train as T
 from wm.datastats import NUSCENES_MOVING
+from wm.lovasz import lovasz_softmax
 from wm.shards import OCC3D_CLASSES
-from wm.tokenizer import Tokenizer, TokenizerConfig, lovasz_softmax
+from wm.tokenizer import Tokenizer, TokenizerConfig
 from wm.world import WorldConfig, WorldModel
 
 pytestmark = pytest.mark.usefixtures("restore_signals", "one_thread")

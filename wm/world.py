@@ -35,13 +35,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from wm.errors import ConfigError
+from wm.layers import ResBlock, channels_last_grad, check_policy, checkpointed, masked_cross_entropy, norm
 
 try:  # Triton ships with CUDA builds of torch; without it the temporal attention takes the torch path
     from wm import temporal_attention_cuda
 except ImportError:
     temporal_attention_cuda = None
-from wm.tokenizer import (ResBlock, channels_last_grad, check_policy, checkpointed, count_parameters,
-                          masked_cross_entropy, norm)
 
 # ONNX export must not meet the Triton op. (Not torch.compiler.is_exporting: torch 2.11's Dynamo answers
 # True to it inside torch.compile too, which kept the kernel out of every compiled step.)
@@ -54,7 +53,7 @@ def _kernel_device(x: Tensor) -> bool:
     return x.is_cuda
 
 
-__all__ = ["WorldConfig", "WorldModel", "count_parameters", "motion_features", "compose_motion"]
+__all__ = ["WorldConfig", "WorldModel", "motion_features", "compose_motion"]
 
 
 # ------------------------------------------------------------------------------------------ config
@@ -76,7 +75,7 @@ class WorldConfig:
     motion_weight: float = 0.1  # weight of the ego-motion L2 loss
     checkpoint_every: int = 0  # activation checkpointing: 0 off, 1 every block, k every k-th block
     # full: a checkpointed block keeps only its inputs; selective: also its matmul, convolution and
-    # attention outputs, recomputing norms, activations, adds and layout copies (wm.tokenizer.checkpointed)
+    # attention outputs, recomputing norms, activations, adds and layout copies (wm.layers.checkpointed)
     checkpoint_policy: str = "full"  # what a checkpointed block keeps: full | selective
     # reads q, k, v straight from the projection, no permutes (wm.temporal_attention_cuda)
     fused_attention: bool = True  # on CUDA, temporal attention in one Triton kernel each way; false: batched matmuls
