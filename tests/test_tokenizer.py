@@ -355,7 +355,7 @@ def test_class_embedding_keeps_labels_only_and_has_the_lookups_gradient():
     w = torch.randn(6, 4, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        h = tk._ClassEmbed.apply(occ, w, torch.float32)
+        h = tk._ClassEmbed.apply(occ, w, torch.float32, True)
     assert [(t.dtype, tuple(t.shape)) for t in saved] == [(torch.uint8, (2, 8, 8, 3))]
     dh = torch.randn_like(h)
     (dw,) = torch.autograd.grad(h, w, dh)
