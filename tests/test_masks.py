@@ -1,7 +1,7 @@
-"""Visibility masks in training (issue 13 item 5): with data.use_mask the tokenizer's cross-entropy and
-Lovasz and the world model's cross-entropy count only visible voxels (token cells that see one);
-a masked-out voxel's label has no effect on the loss or its gradient. Without it (the default,
-OccWorld's protocol) every voxel counts, exactly as before."""
+"""Visibility masks in training: with data.use_mask the tokenizer's cross-entropy and Lovasz and the
+world model's cross-entropy count only visible voxels (token cells that see one); a masked-out
+voxel's label has no effect on the loss or its gradient. Without it (the default, OccWorld's
+protocol) every voxel counts."""
 
 import json
 
