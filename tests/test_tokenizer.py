@@ -7,7 +7,9 @@ import torch
 
 from conftest import count_checkpoints
 from wm.errors import ConfigError, DataError
-from wm.tokenizer import Tokenizer, TokenizerConfig, count_parameters, lovasz_softmax
+from wm.layers import count_parameters
+from wm.lovasz import lovasz_softmax
+from wm.tokenizer import Tokenizer, TokenizerConfig
 
 FREE = 5  # free class of the synthetic test frames (6 classes: 0 ground, 1-4 objects, 5 free)
 
@@ -238,19 +240,20 @@ def test_dead_code_reset_off():
 
 @pytest.mark.parametrize("every,policy", [(1, "full"), (2, "full"), (1, "selective")])
 def test_activation_checkpointing_same_gradients(every, policy, monkeypatch):
+    import wm.layers as layers
     import wm.tokenizer as tk
 
-    calls = count_checkpoints(monkeypatch, tk)
+    calls = count_checkpoints(monkeypatch, layers)
     kept, redone = set(), set()
     if policy == "selective":  # record what the policy decides, op by op
-        policy_fn = tk._keep_expensive
+        policy_fn = layers._keep_expensive
 
         def spy(ctx, op, *args, **kw):
             decision = policy_fn(ctx, op, *args, **kw)
-            (kept if decision == tk.CheckpointPolicy.MUST_SAVE else redone).add(str(op))
+            (kept if decision == layers.CheckpointPolicy.MUST_SAVE else redone).add(str(op))
             return decision
 
-        monkeypatch.setattr(tk, "_keep_expensive", spy)
+        monkeypatch.setattr(layers, "_keep_expensive", spy)
     torch.manual_seed(0)
     base = Tokenizer(tiny_cfg(blocks_per_level=2), 6, (16, 16, 2))
     ck = copy.deepcopy(base)
@@ -259,7 +262,7 @@ def test_activation_checkpointing_same_gradients(every, policy, monkeypatch):
     out_a = base(occ)
     assert not calls
     out_b = ck(occ)
-    n_blocks = sum(isinstance(b, (tk.ResBlock, tk.AttnBlock)) for b in [*ck.encoder, *ck.decoder])
+    n_blocks = sum(isinstance(b, (layers.ResBlock, tk.AttnBlock)) for b in [*ck.encoder, *ck.decoder])
     assert len(calls) == (n_blocks + every - 1) // every
     out_a["loss"].backward()
     out_b["loss"].backward()
@@ -352,7 +355,7 @@ def test_class_embedding_keeps_labels_only_and_has_the_lookups_gradient():
     w = torch.randn(6, 4, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        h = tk._ClassEmbed.apply(occ, w, torch.float32)
+        h = tk._ClassEmbed.apply(occ, w, torch.float32, True)
     assert [(t.dtype, tuple(t.shape)) for t in saved] == [(torch.uint8, (2, 8, 8, 3))]
     dh = torch.randn_like(h)
     (dw,) = torch.autograd.grad(h, w, dh)

@@ -31,26 +31,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from wm import kernels
 from wm.errors import ConfigError, DataError
+from wm.layers import ResBlock, check_policy, checkpointed, masked_cross_entropy, norm
 from wm.lovasz import IMPLS as LOVASZ_IMPLS
 from wm.lovasz import HIST_BITS, lovasz_softmax
 
-try:  # Triton ships with CUDA builds of torch; without it the tokenizer takes its torch paths
-    from wm import embedding_grad_cuda, tokenizer_head_cuda
-except ImportError:
-    embedding_grad_cuda = tokenizer_head_cuda = None
-
-__all__ = [
-    "TokenizerConfig",
-    "Tokenizer",
-    "VectorQuantizer",
-    "lovasz_softmax",
-    "count_parameters",
-    "ResBlock",
-    "channels_last_grad",
-]
+__all__ = ["TokenizerConfig", "Tokenizer", "VectorQuantizer"]
 
 
 # ------------------------------------------------------------------------------------------ config
@@ -77,7 +65,7 @@ class TokenizerConfig:
     # 2**-10 of the exact one, 8x faster on an H200 (wm/lovasz.py, fused Triton kernels on CUDA)
     lovasz_impl: str = "sort"  # how the Lovasz loss ranks errors: sort (exact, OccWorld's) | histogram
     # on CUDA with Triton, for the histogram Lovasz (or none): the class-embedding head, cross-entropy
-    # and Lovasz in two fused kernels that never hold the (N, C, X, Y, Z) logits (wm/tokenizer_head_cuda.py)
+    # and Lovasz in two fused kernels that never hold the (N, C, X, Y, Z) logits (wm/kernels/tokenizer_head.py)
     fused_head: bool = True  # fuse head + losses on CUDA (histogram Lovasz only); false: the torch path
     # channels-last (NHWC) activations and conv weights: what cuDNN's bf16 convolutions run on, so no
     # NCHW <-> NHWC copies around each conv (BENCHMARKS.md, issue 15); the same function either way
@@ -161,68 +149,7 @@ class TokenizerConfig:
             raise ConfigError("checkpoint_every", f"must be >= 0 (0 = off), got {self.checkpoint_every}")
 
 
-def count_parameters(module: nn.Module, trainable_only: bool = False) -> int:
-    """Number of parameter elements (works on the meta device)."""
-    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
-
-
 # ------------------------------------------------------------------------------------------ blocks
-
-
-def _groups(c: int) -> int:
-    """GroupNorm groups as OccWorld's Normalize: 32 for wide layers, c/4 for narrow ones (always divides c)."""
-    return math.gcd(c, 32 if c > 32 else max(c // 4, 1))
-
-
-def norm(c: int) -> nn.GroupNorm:
-    return nn.GroupNorm(_groups(c), c, eps=1e-6)
-
-
-def _is_channels_last(x: Tensor) -> bool:
-    """A (N, C, H, W) tensor whose channels are adjacent in memory (C > 1: one channel says nothing)."""
-    return x.dim() == 4 and x.shape[1] > 1 and x.stride(1) == 1
-
-
-class _ChannelsLastGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g: Tensor) -> Tensor:
-        return g.contiguous(memory_format=torch.channels_last)
-
-
-def channels_last_grad(x: Tensor) -> Tensor:
-    """x, whose gradient, when x is channels-last, is handed on channels-last too. For a convolution's
-    output: cuDNN's convolution backward converts its grad_output to its input's layout, and under
-    torch.compile a gradient is laid out by its meta strides (GroupNorm's backward: NCHW), so a
-    channels-last model (the world model's) would copy the gradient once per convolution; with this
-    Inductor writes it channels-last in the first place. x itself (no autograd node) for NCHW x or
-    without autograd (export)."""
-    if x.requires_grad and torch.is_grad_enabled() and _is_channels_last(x):
-        return _ChannelsLastGrad.apply(x)
-    return x
-
-
-class ResBlock(nn.Module):
-    """Pre-activation residual block: GN-SiLU-conv3x3-GN-SiLU-conv3x3 (+ 1x1 shortcut when widths differ)."""
-
-    def __init__(self, cin: int, cout: int):
-        super().__init__()
-        self.norm1, self.conv1 = norm(cin), nn.Conv2d(cin, cout, 3, 1, 1)
-        self.norm2, self.conv2 = norm(cout), nn.Conv2d(cout, cout, 3, 1, 1)
-        self.shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
-
-    def forward(self, x: Tensor) -> Tensor:
-        # the convolutions' inputs in x's layout: GroupNorm's result does not say channels-last (its
-        # meta strides are NCHW), so under torch.compile a channels-last model (the world model's) would
-        # get NCHW activations and a copy per convolution each way; a no-op for NCHW x
-        # (and their outputs' gradients, channels_last_grad: the sum's is both conv2's and the shortcut's)
-        fmt = torch.channels_last if _is_channels_last(x) else torch.contiguous_format
-        h = channels_last_grad(self.conv1(F.silu(self.norm1(x)).contiguous(memory_format=fmt)))
-        h = self.conv2(F.silu(self.norm2(h)).contiguous(memory_format=fmt))
-        return channels_last_grad(self.shortcut(x) + h)
 
 
 class AttnBlock(nn.Module):
@@ -274,40 +201,6 @@ class Upsample(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------ checkpointing
-
-CHECKPOINT_POLICIES = ("full", "selective")
-# What selective checkpointing keeps (as torchtitan's op-level policy): the outputs that cost FLOPs to
-# recompute. Everything else in the block (GroupNorm/LayerNorm, SiLU/GELU, residual adds, reshapes and
-# layout copies) is recomputed in the backward pass: cheap in time, most of the bytes.
-_EXPENSIVE_OPS = tuple(getattr(torch.ops.aten, n).default for n in (
-    "mm", "addmm", "bmm", "convolution", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu") if hasattr(torch.ops.aten, n))
-
-
-def check_policy(policy: str) -> None:
-    if policy not in CHECKPOINT_POLICIES:
-        raise ConfigError("checkpoint_policy", f"{policy!r} must be one of {list(CHECKPOINT_POLICIES)} (full: keep "
-                          "only a block's input; selective: also its conv/matmul/attention outputs)")
-
-
-def _keep_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    # wm's own Triton ops (namespace "wm", e.g. the world model's fused temporal attention) count as expensive
-    expensive = op in _EXPENSIVE_OPS or getattr(op, "namespace", "") == "wm"
-    return CheckpointPolicy.MUST_SAVE if expensive else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective_contexts():
-    return create_selective_checkpoint_contexts(_keep_expensive)
-
-
-def checkpointed(fn, *args: Tensor, policy: str = "full") -> Tensor:
-    """fn(*args) with its activations recomputed in the backward pass: all of them ("full") or all but
-    the convolution, matmul and attention outputs ("selective"). Shared by the tokenizer and the world
-    model; the results and gradients equal an unchecked call (tests/test_tokenizer.py)."""
-    if policy == "selective":
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=_selective_contexts)
-    return checkpoint(fn, *args, use_reentrant=False)
 
 
 def _run_blocks(blocks: nn.ModuleList, x: Tensor, every: int, active: bool, start: int = 0,
@@ -429,44 +322,33 @@ class VectorQuantizer(nn.Module):
         return dead.sum()
 
 
-# ------------------------------------------------------------------------------------------ losses
-
-
-def masked_cross_entropy(logits: Tensor, target: Tensor, mask: Tensor, weight: Tensor | None = None) -> Tensor:
-    """Cross-entropy averaged over the positions where `mask` (shaped like `target`) is nonzero:
-    logits (N, C, ...), target (N, ...) long. A masked-out position's label has no effect on the
-    value or the gradient (its gradient is exactly 0); all masked out gives 0, not NaN. With
-    `weight` (C,) class weights, the kept terms are weighted and still divided by the number of
-    kept positions (not by the sum of their weights)."""
-    keep = mask != 0
-    per = F.cross_entropy(logits, target, weight=weight, reduction="none")
-    return torch.where(keep, per, 0.0).sum() / keep.sum().clamp_min(1)
+# ------------------------------------------------------------------------------------------ class embedding
 
 
 class _ClassEmbed(torch.autograd.Function):
     """The class embedding's rows for every voxel, w[occ] in `dtype`, keeping only the uint8 labels
     for the backward pass. torch's embedding backward on CUDA sorts all N*X*Y*Z indices first (20 M
     per 32 frames at 200x200x16: 20 ms on an H200); here the weight's gradient is the sum of the
-    output gradients per class: on CUDA wm.embedding_grad_cuda's kernel (one-hot tiles in registers,
+    output gradients per class: on CUDA wm.kernels.embedding_grad (one-hot tiles in registers,
     0.49 ms on an H200, against 4.2 ms for the one-hot matmul in torch, which writes the (P, C)
-    matrix first), elsewhere an index_add_ in float32."""
+    matrix first), elsewhere an index_add_ in float32. `fused`: the model's flag for that kernel."""
 
     @staticmethod
-    def forward(ctx, occ: Tensor, w: Tensor, dtype: torch.dtype) -> Tensor:
+    def forward(ctx, occ: Tensor, w: Tensor, dtype: torch.dtype, fused: bool) -> Tensor:
         ctx.save_for_backward(occ)
-        ctx.classes, ctx.wdtype = w.shape[0], w.dtype
+        ctx.classes, ctx.wdtype, ctx.fused = w.shape[0], w.dtype, fused
         return F.embedding(occ.long(), w.to(dtype))
 
     @staticmethod
     def backward(ctx, dh: Tensor):
         (occ,) = ctx.saved_tensors
         dh = dh.reshape(occ.numel(), -1)
-        if dh.is_cuda and embedding_grad_cuda is not None:
-            dw = embedding_grad_cuda.embedding_grad(occ.reshape(-1), dh, ctx.classes)
+        if kernels.use(kernels.embedding_grad, ctx.fused, dh):
+            dw = kernels.embedding_grad.embedding_grad(occ.reshape(-1), dh, ctx.classes)
         else:
             dw = dh.new_zeros((ctx.classes, dh.shape[1]), dtype=torch.float32).index_add_(
                 0, occ.reshape(-1).long(), dh.float())
-        return None, dw.to(ctx.wdtype), None
+        return None, dw.to(ctx.wdtype), None, None
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -476,7 +358,9 @@ class Tokenizer(nn.Module):
     """VQ-VAE over occupancy frames.
 
     Tokenizer(cfg, num_classes, grid) with grid = (X, Y, Z), X and Y divisible by d = cfg.downsample
-    (2**(levels-1); OccWorld's 4).
+    (2**(levels-1); OccWorld's 4). fused_lovasz, fused_embedding_grad: run wm.kernels.lovasz_histogram
+    and wm.kernels.embedding_grad where they can (wm/kernels/__init__.py); cfg.fused_head does the
+    same for wm.kernels.tokenizer_head.
 
     - encode(occ (..., X, Y, Z) uint8/long) -> codes (..., X/d, Y/d) long
     - decode(codes (..., X/d, Y/d)) -> logits (..., C, X, Y, Z) float
@@ -486,7 +370,8 @@ class Tokenizer(nn.Module):
     - codebook -> (K, code_dim) weight, e.g. for WorldModel.init_code_embedding
     """
 
-    def __init__(self, cfg: TokenizerConfig, num_classes: int, grid: tuple[int, int, int]):
+    def __init__(self, cfg: TokenizerConfig, num_classes: int, grid: tuple[int, int, int],
+                 fused_lovasz: bool = True, fused_embedding_grad: bool = True):
         super().__init__()
         cfg.validate()
         grid = tuple(int(g) for g in grid)
@@ -499,6 +384,7 @@ class Tokenizer(nn.Module):
         if num_classes < 2:
             raise DataError(f"tokenizer: num_classes must be >= 2, got {num_classes}")
         self.cfg, self.num_classes, self.grid = cfg, num_classes, grid
+        self.fused_lovasz, self.fused_embedding_grad = fused_lovasz, fused_embedding_grad
         e, w0, w2 = cfg.embed_dim, cfg.widths[0], cfg.widths[-1]
         low = len(cfg.widths) - 1  # the lowest-resolution level
         cin = grid[2] * e
@@ -579,7 +465,8 @@ class Tokenizer(nn.Module):
         if torch.is_grad_enabled() and w.requires_grad:
             dev = occ.device.type
             auto = dev in ("cuda", "cpu", "xpu") and torch.is_autocast_enabled(dev)
-            h = _ClassEmbed.apply(occ, w, torch.get_autocast_dtype(dev) if auto else w.dtype)  # (N, X, Y, Z, E)
+            dtype = torch.get_autocast_dtype(dev) if auto else w.dtype
+            h = _ClassEmbed.apply(occ, w, dtype, self.fused_embedding_grad)  # (N, X, Y, Z, E)
             h = h.reshape(n, x, y, zz * self.cfg.embed_dim).permute(0, 3, 1, 2)  # channels-last memory
         else:
             # the layout exported graphs have always had (Gather on the (N, Z, X, Y) labels): the INT8
@@ -608,10 +495,11 @@ class Tokenizer(nn.Module):
         return torch.einsum("nzexy,ce->ncxyz", h, self.class_embed.weight)
 
     def _fused(self, h: Tensor) -> bool:
-        """Whether forward scores `h` with wm.tokenizer_head_cuda (see TokenizerConfig.fused_head)."""
+        """Whether forward scores `h` with wm.kernels.tokenizer_head (see TokenizerConfig.fused_head): its
+        Lovasz term is the histogram one."""
         cfg = self.cfg
-        return cfg.fused_head and h.is_cuda and (cfg.lovasz_impl == "histogram" or cfg.lovasz_weight == 0) \
-            and tokenizer_head_cuda is not None
+        return (cfg.lovasz_impl == "histogram" or cfg.lovasz_weight == 0) \
+            and kernels.use(kernels.tokenizer_head, cfg.fused_head, h)
 
     def set_class_frequencies(self, counts) -> Tensor:
         """Set the CE class weights from per-class voxel counts of the training data (see
@@ -705,15 +593,18 @@ class Tokenizer(nn.Module):
             if mask is not None:  # the visible points only (Lovasz ranks errors over whatever it is given)
                 keep = mask.reshape(-1) != 0
                 probs, labels = probs[keep], labels[keep]
-            lov = lovasz_softmax(probs, labels, impl=cfg.lovasz_impl) if labels.numel() else probs.sum() * 0.0
+            kernel = None
+            if cfg.lovasz_impl == "histogram" and kernels.use(kernels.lovasz_histogram, self.fused_lovasz, probs):
+                kernel = kernels.lovasz_histogram.histogram_terms
+            lov = lovasz_softmax(probs, labels, impl=cfg.lovasz_impl, kernel=kernel) if labels.numel() else probs.sum() * 0.0
         else:
             lov = ce.new_zeros(())
         total = cfg.ce_weight * ce + cfg.lovasz_weight * lov + cfg.vq_weight * vq
         return {"loss": total, "ce": ce, "lovasz": lov, "vq": vq}
 
     def _fused_loss(self, h: Tensor, occ: Tensor, vq: Tensor, mask: Tensor | None) -> dict[str, Tensor]:
-        """`loss` from the decoder output h (N, Z*E, X, Y) through wm.tokenizer_head_cuda: the same
-        terms (tests/test_tokenizer_head_cuda.py), without the logits."""
+        """`loss` from the decoder output h (N, Z*E, X, Y) through wm.kernels.tokenizer_head: the same
+        terms (tests/test_kernel_tokenizer_head.py), without the logits."""
         cfg = self.cfg
         labels = occ.to(torch.int16)
         if mask is not None:  # a masked-out voxel counts in neither loss (label -1)
@@ -721,8 +612,8 @@ class Tokenizer(nn.Module):
         weight = self.class_weights if cfg.class_weight_power > 0 else torch.ones_like(self.class_weights)
         # (N, Z*E, X, Y) -> (N, X, Y, Z, E) -> (P, E): voxels in occ's order (a view if h is channels-last)
         h = h.permute(0, 2, 3, 1).reshape(-1, cfg.embed_dim)
-        ce, lov = tokenizer_head_cuda.head_losses(h, self.class_embed.weight, labels.reshape(-1), weight,
-                                                  cfg.lovasz_weight > 0, True, HIST_BITS)
+        ce, lov = kernels.tokenizer_head.head_losses(h, self.class_embed.weight, labels.reshape(-1), weight,
+                                                     cfg.lovasz_weight > 0, True, HIST_BITS)
         total = cfg.ce_weight * ce + cfg.lovasz_weight * lov + cfg.vq_weight * vq
         return {"loss": total, "ce": ce, "lovasz": lov, "vq": vq}
 

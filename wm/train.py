@@ -57,7 +57,8 @@ from wm.logs import Logger, eta
 from wm.evaluate import autocast, eval_batches, evaluate_run, forecast, frames_config, reconstruction
 from wm.horizons import check_config_reaches, print_plan
 from wm.metrics import step_label
-from wm.tokenizer import Tokenizer, count_parameters
+from wm.layers import count_parameters
+from wm.tokenizer import Tokenizer
 from wm.viz import figure
 from wm.world import WorldModel
 

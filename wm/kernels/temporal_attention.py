@@ -5,7 +5,7 @@ occworld size 40 000 cells x 8 heads x 11 frames x head dim 16-64. The torch pat
 (wm.world.short_causal_attention) permutes q, k, v out of the q/k/v projection, runs two
 batched matmuls of 11 x 16 matrices (cuBLAS/cutlass tiles of 64 or more waste most of each tile), a
 masked softmax between them, and permutes the result back: 33 of 208 GPU-ms of a compiled world step
-(H200, BENCHMARKS.md, issue 15), plus the copies.
+on an H200 (BENCHMARKS.md), plus the copies.
 
 Here each program takes BLOCK rows (BLOCK // TP cells, their T frames padded to TP, a power of 2) of
 one head, reads q, k, v straight out of the (B, T, S, 3C) projection (B windows, S = h*w cells a frame;
@@ -23,10 +23,10 @@ price of using the tensor cores at T = 11 (cheap next to reading q, k, v and wri
   its cells, so every gradient row is written once (no atomics), into one (B, T, S, 3C) tensor.
 
 Products in the input dtype with float32 sums (float32 inputs keep float32 products), softmax in
-float32; outputs in the input's dtype. Tile size: BENCHMARKS.md (issue 15) has the sweep. Registered
+float32; outputs in the input's dtype. Tile size: BENCHMARKS.md has the sweep. Registered
 as torch custom ops (wm::causal_time_attention and its backward) so torch.compile treats them as single
 opaque calls with no graph break. Equality with the torch path (values and gradients) is tested in
-tests/test_temporal_attention_cuda.py, compiled on CUDA, in Triton's interpreter elsewhere.
+tests/test_kernel_temporal_attention.py, compiled on CUDA, in Triton's interpreter elsewhere.
 """
 
 from __future__ import annotations
@@ -103,11 +103,17 @@ def _time_attention_backward(qkv_ptr, o_ptr, lse_ptr, do_ptr, dqkv_ptr, N, S, sc
     tl.store(dqkv_ptr + off + 2 * C, dv.to(ty), mask=rmask[:, None])
 
 
-def supports(frames: int, width: int, heads: int) -> bool:
+def _fits(frames: int, width: int, heads: int) -> bool:
     """Whether the kernels take `frames` frames of `width` channels in `heads` heads: T <= 16 (a cell's
     frames fit one tile) and a power-of-2 head dim of 16 to 128 (tensor-core dot sizes)."""
     d = width // heads
     return 1 <= frames <= MAX_FRAMES and d * heads == width and d == triton.next_power_of_2(d) and 16 <= d <= 128
+
+
+def supports(qkv: Tensor, heads: int) -> bool:
+    """Whether the kernels take this (B, T, S, 3C) q/k/v projection in `heads` heads: on CUDA, of a
+    size `_fits` takes."""
+    return qkv.is_cuda and qkv.dim() == 4 and _fits(qkv.shape[1], qkv.shape[3] // 3, heads)
 
 
 def _layout(qkv: Tensor, heads: int):
@@ -117,7 +123,7 @@ def _layout(qkv: Tensor, heads: int):
     b, t, s, c3 = qkv.shape
     c = c3 // 3
     d = c // heads
-    if c3 != 3 * c or not supports(t, c, heads):
+    if c3 != 3 * c or not _fits(t, c, heads):
         raise ValueError(f"causal_time_attention: qkv {tuple(qkv.shape)} with {heads} heads: needs (B, T<=16, S, 3C) "
                          "with a power-of-2 head dim of 16 to 128")
     tp = triton.next_power_of_2(t)

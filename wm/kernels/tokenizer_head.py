@@ -11,8 +11,7 @@ tiles of voxels, computes their C logits in registers (an E-long dot product per
 - forward (`_head_loss_forward`): the cross-entropy of each voxel (summed per program) and, for the
   histogram Lovasz (wm.lovasz, impl "histogram"), adds each (class, error bin, foreground?) to the
   (C, bins, 2) count histogram: one int32 atomic add per voxel and class, most of the kernel's cost
-  (an int64 error sum per slot beside it doubled the atomics; without it the op's forward at 32 frames
-  of 200x200x16 went from 11.8 to 8.9 ms on an H200, BENCHMARKS.md, issue 15);
+  (no error sum per slot beside it: that would double the atomics);
 - (torch, on the small tables) wm.lovasz.gradient_table gives each slot's Lovasz gradient; the loss
   is sum(counts x bin centres x gradients): the torch path's sum_i e_i g_i with each error at the
   centre of its bin. A bin spans a factor 1 + 2**-10 and every g_i >= 0, so the two differ by at
@@ -24,8 +23,8 @@ tiles of voxels, computes their C logits in registers (an E-long dot product per
 
 Only h, the labels and the small tables are saved for backward (0.4 GiB of temporaries at the occworld
 size instead of 9). Equality with the torch path (loss and gradients, float32) is tested in
-tests/test_tokenizer_head_cuda.py, compiled on CUDA, in Triton's interpreter elsewhere. Voxels whose
-label is -1 (masked out) count in neither loss. Tile sizes: BENCHMARKS.md (issue 15) has the sweep.
+tests/test_kernel_tokenizer_head.py, compiled on CUDA, in Triton's interpreter elsewhere. Voxels whose
+label is -1 (masked out) count in neither loss. Tile sizes: BENCHMARKS.md has the sweep.
 """
 
 from __future__ import annotations
@@ -35,8 +34,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from wm.kernels.lovasz_histogram import error_keys
 from wm.lovasz import bin_centers, bin_layout, class_weights, gradient_table
-from wm.lovasz_cuda import error_keys
 
 BLOCK = 128  # voxels per tile
 TILES = 8  # tiles per program (one partial sum per program)
@@ -206,6 +205,11 @@ def _backward(ctx, d_ce: Tensor | None, d_lov: Tensor | None, _d_table, _d_voxel
 
 
 _head_losses.register_autograd(_backward, setup_context=_setup_context)
+
+
+def supports(h: Tensor) -> bool:
+    """Whether the kernels take this decoder output: on CUDA (float32 or bfloat16, any layout)."""
+    return h.is_cuda
 
 
 def head_losses(h: Tensor, weight: Tensor, labels: Tensor, class_w: Tensor, lovasz: bool,

@@ -1,4 +1,4 @@
-"""wm.temporal_attention_cuda (the world model's causal attention over time, one Triton kernel each way)
+"""wm.kernels.temporal_attention (the world model's causal attention over time, one Triton kernel each way)
 against the torch path (wm.world.short_causal_attention on the permuted q, k, v): the same outputs and
 the same gradient of the q/k/v projection, float32, for head dims 16 and 32, 1 to 16 frames and cell counts
 that do not fill the last program; the whole TemporalLayer with and without it; torch.library's opcheck
@@ -6,22 +6,19 @@ of the custom ops (fake tensors, autograd registration); selective checkpointing
 On CUDA with Triton the kernels run compiled; with Triton but no GPU in Triton's interpreter (a
 subprocess with TRITON_INTERPRET=1); without Triton there is nothing to test."""
 
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import run_in_triton_interpreter
+from conftest import run_kernel_check
 
 pytest.importorskip("triton")
-
-ROOT = Path(__file__).resolve().parents[1]
 
 CHECK = r"""
 import sys, torch
 sys.path[:0] = [{root!r}]
 from wm import world
-from wm.temporal_attention_cuda import causal_time_attention, _attention
-from wm.tokenizer import _keep_expensive
+from wm.kernels import temporal_attention as tac
+from wm.kernels.temporal_attention import causal_time_attention, _attention
+from wm.layers import _keep_expensive
 from torch.utils.checkpoint import CheckpointPolicy
 dev = {dev!r}
 torch.manual_seed(0)
@@ -54,10 +51,10 @@ for bi in range(b):
 
 # the whole temporal layer, kernel vs torch path (the same weights), and that fused=True took the kernel
 if dev == "cpu":  # the interpreter runs the kernels on CPU tensors: let the layer hand them over
-    world._kernel_device = lambda x: True
+    tac.supports = lambda qkv, heads: True
 calls = []
-kernel = world.temporal_attention_cuda.causal_time_attention
-world.temporal_attention_cuda.causal_time_attention = lambda qkv, heads: calls.append(heads) or kernel(qkv, heads)
+kernel = tac.causal_time_attention
+tac.causal_time_attention = lambda qkv, heads: calls.append(heads) or kernel(qkv, heads)
 layer = world.TemporalLayer(32, 2, 2, fused=True).to(dev)
 x = torch.randn(2, 11, 3, 32, device=dev, requires_grad=True)
 outs = []
@@ -71,7 +68,7 @@ for fused in (True, False):
 assert calls == [2], calls
 for a, b in zip(*outs):
     assert float((a - b).abs().max()) < 1e-5 * float(b.abs().max()), float((a - b).abs().max())
-world.temporal_attention_cuda.causal_time_attention = kernel
+tac.causal_time_attention = kernel
 
 # selective checkpointing keeps the kernel's output (recomputing it would cost a kernel launch each way)
 assert _keep_expensive(None, torch.ops.wm.causal_time_attention.default) == CheckpointPolicy.MUST_SAVE
@@ -79,7 +76,7 @@ assert _keep_expensive(None, torch.ops.wm.causal_time_attention.default) == Chec
 torch.library.opcheck(_attention, (torch.randn(3, 4, 2, 96, device=dev, requires_grad=True), 2),
                       test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 # inputs in another layout (as Inductor may lay them out): the fakes still say what the kernels write
-from wm.temporal_attention_cuda import _attention_backward
+from wm.kernels.temporal_attention import _attention_backward
 odd = torch.randn(96, 3, 4, 2, device=dev).permute(1, 2, 3, 0)  # (3, 4, 2, 96), dense, not contiguous
 torch.library.opcheck(_attention, (odd.clone().requires_grad_(), 2), test_utils=("test_faketensor",))
 torch.library.opcheck(_attention_backward, (odd, torch.randn(3, 4, 2, 32, device=dev), torch.randn(3, 4, 2, 2, device=dev),
@@ -93,7 +90,7 @@ COMPILED = r"""
 import sys, torch
 sys.path[:0] = [{root!r}]
 from wm import world
-tac = world.temporal_attention_cuda
+from wm.kernels import temporal_attention as tac
 launches = []
 for name in ("_time_attention_forward", "_time_attention_backward"):
     k = getattr(tac, name)
@@ -105,26 +102,22 @@ motion = torch.randn(2, 6, 3, device="cuda")
 with torch.autocast("cuda", dtype=torch.bfloat16):
     out = torch.compile(model)(codes, motion)
 model.loss(out, codes, motion)["loss"].backward()
-# one temporal layer on each of the two levels, each way: torch 2.11 once kept them out of compiled graphs
+# one temporal layer on each of the two levels, each way: the compiled graph calls the kernels
 assert sorted(launches) == ["_time_attention_backward"] * 2 + ["_time_attention_forward"] * 2, launches
 print("OK")
 """
 
 
-def _script(dev: str) -> str:
-    return CHECK.format(root=str(ROOT), dev=dev)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_temporal_attention_matches_the_torch_path_on_cuda():
-    exec(_script("cuda"), {})
+    run_kernel_check(CHECK, "cuda")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compiled_world_model_launches_the_kernels():
-    exec(COMPILED.format(root=str(ROOT)), {})
+    run_kernel_check(COMPILED, "cuda")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the compiled kernels are tested")
 def test_fused_temporal_attention_matches_the_torch_path_in_the_interpreter():
-    run_in_triton_interpreter(_script("cpu"))
+    run_kernel_check(CHECK, "cpu")

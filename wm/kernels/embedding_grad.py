@@ -7,8 +7,8 @@ H200), and the one-hot matmul in torch writes the (positions x rows) matrix firs
 ms there). Here one Triton kernel builds one-hot tiles in registers and multiplies them on the tensor
 cores (0.49 ms there): each program takes a run of positions and a block of rows and columns and
 writes one float32 partial, and torch sums the partials, so the gradient is the same on every run.
-Used by wm.tokenizer's class embedding (BENCHMARKS.md, issue 15); tested by hand in
-tests/test_tokenizer_head_cuda.py (compiled on CUDA, in Triton's interpreter elsewhere).
+Used by wm.tokenizer's class embedding (BENCHMARKS.md); tested by hand in
+tests/test_kernel_embedding_grad.py (compiled on CUDA, in Triton's interpreter elsewhere).
 """
 
 from __future__ import annotations
@@ -44,6 +44,11 @@ def _embedding_grad_kernel(ids_ptr, d_ptr, out_ptr, P, R: tl.constexpr, E: tl.co
         acc = tl.dot(onehot, d, acc, input_precision=PRECISION)
     tl.store(out_ptr + pid * R * E + rows[:, None] * E + cols[None, :], acc,
              mask=(rows[:, None] < R) & (cols[None, :] < E))
+
+
+def supports(d: Tensor) -> bool:
+    """Whether the kernel takes these output gradients (P, E): on CUDA."""
+    return d.is_cuda
 
 
 @torch.library.custom_op("wm::embedding_grad", mutates_args=())

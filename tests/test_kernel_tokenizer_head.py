@@ -1,20 +1,16 @@
-"""wm.tokenizer_head_cuda (the tokenizer's head, cross-entropy and histogram Lovasz fused in two Triton
+"""wm.kernels.tokenizer_head (the tokenizer's head, cross-entropy and histogram Lovasz fused in two Triton
 kernels) against the torch path (Tokenizer._head, then Tokenizer.loss): the same loss terms and the same
 gradients to the decoder output and the class embedding, float32, with and without a mask, class weights and
-the Lovasz term; wm.embedding_grad_cuda's kernel by hand; torch.library's opcheck of the custom ops, and
-that the model with them traces as one graph (no graph break). On CUDA with Triton the kernels run compiled;
+the Lovasz term; torch.library's opcheck of the custom ops, and that the model with them traces as one
+graph (no graph break). On CUDA with Triton the kernels run compiled;
 with Triton but no GPU in Triton's interpreter (a subprocess with TRITON_INTERPRET=1); without Triton there
 is nothing to test."""
 
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import run_in_triton_interpreter
+from conftest import run_kernel_check
 
 pytest.importorskip("triton")
-
-ROOT = Path(__file__).resolve().parents[1]
 
 CHECK = r"""
 import sys, torch
@@ -52,7 +48,7 @@ for weighted, masked, lovasz in ((False, False, 1.0), (True, False, 1.0), (False
         assert err < 1e-5, (case, k, err)
 
 # custom ops (schema, fake tensors, autograd registration) ...
-from wm.tokenizer_head_cuda import _head_losses
+from wm.kernels.tokenizer_head import _head_losses
 p = 2 * 8 * 16 * 3
 torch.library.opcheck(_head_losses, (torch.randn(p, 8, device=dev, requires_grad=True),
                                      torch.randn(classes, 8, device=dev, requires_grad=True),
@@ -64,21 +60,6 @@ torch.library.opcheck(_head_losses, (torch.randn(8, p, device=dev).t().requires_
                                      torch.randint(-1, classes, (p,), device=dev, dtype=torch.int16),
                                      torch.rand(classes, device=dev), True, True, 10),
                       test_utils=("test_faketensor", "test_autograd_registration"))
-# the embedding weight-gradient kernel by hand: float32 and bfloat16, ids outside [0, rows) ignored, a
-# table of one block (the class embedding's size) and one of several row and column blocks
-from wm.embedding_grad_cuda import embedding_grad
-for rows, e in ((classes, 8), (150, 80)):
-    ids = torch.randint(-1, rows + 1, (3001,), device=dev, dtype=torch.int16)  # not a multiple of a tile
-    for dtype in (torch.float32, torch.bfloat16):
-        d = torch.randn(3001, e, device=dev).to(dtype)
-        dw = embedding_grad(ids, d, rows)
-        assert dw.dtype == torch.float32 and dw.shape == (rows, e)
-        want = torch.zeros(rows, e, dtype=torch.float64, device=dev)
-        for r in range(rows):
-            want[r] = d[ids == r].double().sum(0)
-        err = float((dw.double() - want).abs().max())
-        assert err < 1e-4, (rows, dtype, err)
-torch.library.opcheck(embedding_grad, (ids, torch.randn(3001, 80, device=dev), 150))
 # ... so the model and its fused loss trace as one graph (a graph break there cost layout copies)
 if dev == "cpu":  # the interpreter runs the kernels on CPU tensors: let the model hand them over
     Tokenizer._fused = lambda self, h: True
@@ -89,15 +70,11 @@ print("OK")
 """
 
 
-def _script(dev: str) -> str:
-    return CHECK.format(root=str(ROOT), dev=dev)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_head_matches_the_torch_path_on_cuda():
-    exec(_script("cuda"), {})
+    run_kernel_check(CHECK, "cuda")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the compiled kernels are tested")
 def test_fused_head_matches_the_torch_path_in_the_interpreter():
-    run_in_triton_interpreter(_script("cpu"))
+    run_kernel_check(CHECK, "cpu")

@@ -12,8 +12,8 @@ class probabilities once, keeps everything else in registers, and
    and one partial loss sum per tile.
 
 Same bins, same table as the reference: the gradient is the reference's to float rounding, and the
-loss differs only by summation order (tests/test_lovasz_cuda.py, which runs where CUDA and Triton are).
-Imported only on CUDA (Triton ships with torch's CUDA builds); the CPU and the tests use the reference.
+loss differs only by summation order (tests/test_kernel_lovasz_histogram.py). The tokenizer hands
+`histogram_terms` to wm.lovasz.lovasz_softmax where its fused_lovasz flag is on and `supports` says yes.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from wm.lovasz import bin_layout, class_weights, gradient_table
 
 BLOCK_POINTS = 128  # points per program (x the classes padded to a power of 2)
 
@@ -45,7 +47,7 @@ def _tile(probs_ptr, labels_ptr, pid, P, C: tl.constexpr, CP: tl.constexpr, BINS
 def error_keys(p, fg, cols, BINS: tl.constexpr, SHIFT: tl.constexpr):
     """(points, classes) probabilities and foreground flags -> fg - p, its absolute value (the Lovasz
     error) and each error's histogram slot (class, bin, foreground?) in a (C, BINS, 2) table.
-    Shared with wm.tokenizer_head_cuda."""
+    Shared with wm.kernels.tokenizer_head."""
     diff = tl.where(fg, 1.0, 0.0) - p
     err = tl.abs(diff)
     b = tl.minimum(err.to(tl.int32, bitcast=True) >> SHIFT, BINS - 1)  # NaN lands in the top bin
@@ -72,11 +74,14 @@ def _gradient_kernel(probs_ptr, labels_ptr, table_ptr, grad_ptr, partial_ptr, P,
     tl.store(partial_ptr + pid, tl.sum(tl.sum(tl.where(m, err * g, 0.0), axis=1), axis=0))
 
 
+def supports(probs: Tensor) -> bool:
+    """Whether the kernels take these (P, C) class probabilities: float32 on CUDA."""
+    return probs.is_cuda and probs.dtype == torch.float32
+
+
 def histogram_terms(probs: Tensor, labels: Tensor, present_only: bool, bits: int) -> tuple[Tensor, Tensor]:
     """wm.lovasz._histogram_terms on CUDA: probs (P, C) float32, labels (P,) integer ->
     (loss, d loss / d probs (P, C))."""
-    from wm.lovasz import bin_layout, class_weights, gradient_table
-
     probs = probs.contiguous()
     labels = labels.contiguous()
     num_points, num_classes = probs.shape
