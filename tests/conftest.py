@@ -284,10 +284,15 @@ def count_checkpoints(monkeypatch, module) -> list:
     return calls
 
 
-def run_in_triton_interpreter(script: str) -> None:
-    """Run `script` (Python source that prints OK when its checks pass) in a subprocess with
-    TRITON_INTERPRET=1: Triton kernels then run on CPU tensors, so a machine without a GPU tests
-    them. The variable must be set before triton is imported, hence the subprocess."""
+def run_kernel_check(script: str, dev: str) -> None:
+    """Run a Triton kernel's check `script` (Python source with {root}, {tests} and {dev} slots that
+    prints OK when its checks pass) on `dev`: "cuda" in this process, the kernels compiled; "cpu" in a
+    subprocess with TRITON_INTERPRET=1, where Triton's interpreter runs them on CPU tensors, so a
+    machine without a GPU tests them (the variable must be set before triton is imported)."""
+    source = script.format(root=str(ROOT), tests=str(ROOT / "tests"), dev=dev)
+    if dev == "cuda":
+        exec(source, {})
+        return
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", source], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 import wm.checkpoint as ck
+from wm import atomic
 from wm.checkpoint import Checkpointer, CheckpointError
 from wm.errors import ConfigError, WMError
 
@@ -59,6 +61,12 @@ def assert_same(a, b, where="state"):
             assert_same(x, y, f"{where}[{i}]")
     else:
         assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
+
+
+def resume_state(folder: Path) -> dict | None:
+    """The state a resume starts from: the newest valid checkpoint's, or None."""
+    found = ck.newest_valid(folder, say=lambda m: warnings.warn(m, stacklevel=2))
+    return None if found is None else found[1]
 
 
 def dir_snapshot(folder: Path) -> dict:
@@ -121,7 +129,7 @@ def test_realistic_state_round_trips_bitwise_with_weights_only(tmp_path):
     assert loaded["metrics"]["loss"] == 0.25 and type(loaded["metrics"]["loss"]) is float
     expected = dict(state, metrics={"loss": 0.25, "iou": 0.5})
     assert_same(expected, loaded)
-    assert ck.resume_state(tmp_path / "ckpt")["step"] == 2
+    assert resume_state(tmp_path / "ckpt")["step"] == 2
 
     # restored objects continue exactly as the originals do
     model2, opt2, sched2 = make_training(seed=1)
@@ -345,7 +353,7 @@ def test_latest_follows_a_healthy_pointer(tmp_path):
     # a pointer that names an older complete checkpoint is followed (no scan, no load)
     p2 = tmp_path / "step_000000002.pt"
     (tmp_path / "latest").write_text(json.dumps({"file": p2.name, "step": 2, "size": p2.stat().st_size}))
-    assert c.latest() == p2 and ck.resume_state(tmp_path)["step"] == 2
+    assert c.latest() == p2 and resume_state(tmp_path)["step"] == 2
 
 
 def saved_three(folder: Path) -> Checkpointer:
@@ -376,7 +384,7 @@ def test_damaged_pointer_falls_back_to_newest_loadable(tmp_path, damage):
     elif damage == "wrong-size":
         ptr.write_text(json.dumps(dict(old, size=old["size"] + 1)))
     assert c.latest() == tmp_path / "step_000000003.pt"
-    assert ck.resume_state(tmp_path)["step"] == 3
+    assert resume_state(tmp_path)["step"] == 3
 
 
 def test_truncated_newest_is_skipped_and_its_load_error_names_it(tmp_path):
@@ -387,7 +395,7 @@ def test_truncated_newest_is_skipped_and_its_load_error_names_it(tmp_path):
     assert c.latest() == tmp_path / "step_000000002.pt"
     (tmp_path / "latest").unlink()  # and with no pointer at all
     assert c.latest() == tmp_path / "step_000000002.pt"
-    assert ck.resume_state(tmp_path)["step"] == 2
+    assert resume_state(tmp_path)["step"] == 2
     with pytest.raises(CheckpointError) as ei:
         ck.load(newest)
     msg = one_line(ei.value)
@@ -405,8 +413,20 @@ def test_truncated_newest_is_skipped_and_its_load_error_names_it(tmp_path):
 
 def test_empty_or_missing_folder_has_no_latest(tmp_path):
     assert ck.latest_checkpoint(tmp_path / "nope") is None
-    assert ck.resume_state(tmp_path) is None
+    assert resume_state(tmp_path) is None
     assert Checkpointer(tmp_path / "new").latest() is None
+
+
+def test_a_first_save_killed_before_its_sha256_resumes_from_it(tmp_path):
+    c = Checkpointer(tmp_path)
+    c.save(small_state(1), 1)
+    c.close()
+    (tmp_path / "step_000000001.pt.sha256").unlink()  # what a kill between steps 1 and 4 leaves
+    (tmp_path / "latest").unlink()
+    assert resume_state(tmp_path)["step"] == 1
+    (tmp_path / "step_000000001.pt").write_bytes(b"PK\x03\x04 damaged")
+    with pytest.raises(CheckpointError):
+        resume_state(tmp_path)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -459,7 +479,7 @@ def test_failed_save_keeps_previous_checkpoints_and_pointer(tmp_path, monkeypatc
             if Path(path).name.startswith(victim):
                 return FailingFile(path, mode, err, limit=4096 if where == "file-write" else 0)
             return real_open(path, mode, *a, **kw)
-        monkeypatch.setattr(ck, "open", bad_open, raising=False)
+        monkeypatch.setattr(atomic, "open", bad_open, raising=False)
 
     with pytest.raises(CheckpointError) as ei:
         c.save(small_state(3, big=torch.zeros(10_000)), 3, metrics={"iou": 0.9})

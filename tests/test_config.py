@@ -378,3 +378,33 @@ def test_non_finite_float_refused(raw):
     e = refused(C.load, None, [f"loader.h5_cache_mib={raw}"])
     assert e.key == "loader.h5_cache_mib"
 
+
+
+def test_a_saved_config_without_a_later_key_keeps_what_ran_before_it(tiny, restore_signals):
+    """A run saved before tokenizer.mid_attention existed had the middle attention: its config.json
+    and checkpoints, read back, still describe that model (the key's class default), while a partial
+    config file takes the demo's default (no attention); the run resumes and its checkpoint loads."""
+    import wm.train as T
+    from wm.export.onnx import load_trained
+
+    d = C.to_dict(C.Config())
+    del d["tokenizer"]["mid_attention"]
+    assert C.from_saved(d).tokenizer.mid_attention is True
+    assert C.from_dict(C.Config, {"tokenizer": {"widths": [8, 8]}}, base=C.Config()).tokenizer.mid_attention is False
+    assert T.main(tiny.args(train__stages="tokenizer,world", tokenizer_stage__max_steps=1,
+                            world_stage__max_steps=1)) == 0
+    run = tiny.run_dir()
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["tokenizer"].pop("mid_attention") is True  # the tiny models keep the attention
+    (run / "config.json").write_text(json.dumps(cfg))
+    assert T.main(tiny.args(train__stages="tokenizer,world", tokenizer_stage__max_steps=2,
+                            world_stage__max_steps=1, flags=["--allow-changed", "tokenizer_stage.max_steps"])) == 0
+    assert load_trained(run).cfg.tokenizer.mid_attention is True
+
+
+@pytest.mark.parametrize("name", ["occworld", "occworld_20min", "occworld_nuscenes", "demo_blocks"])
+def test_presets_keep_the_tokenizers_middle_attention(name):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.json"
+    assert C.load(str(path), []).tokenizer.mid_attention is True  # OccWorld's tokenizer has it

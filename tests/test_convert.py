@@ -1,4 +1,4 @@
-"""Converters of real data (wm/convert.py, tools/convert_occ3d.py, tools/convert_frames.py).
+"""Converters of real data (wm/convert*.py, tools/convert_occ3d.py, tools/convert_frames.py).
 
 Source trees are built in tmp_path in the exact on-disk layouts (Occ3D-nuScenes: annotations.json +
 gts/<scene>/<token>/labels.npz; own recordings: <scene>/ folders with frames and a poses file), then
@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 from wm.config import DataConfig
-from wm.convert import convert, frames_scenes, occ3d_info, occ3d_scenes, split_scenes
+from wm.convert import convert
+from wm.convert_frames import frames_scenes, split_scenes
+from wm.convert_occ3d import occ3d_info, occ3d_scenes
 from wm.data import OccWindows
 from wm.errors import DataError
 from wm.shards import Shard, load_manifest, verify

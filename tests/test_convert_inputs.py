@@ -4,6 +4,8 @@ order, and what a conversion leaves behind. Each through the CLI, as a user meet
 
 import io
 import json
+import subprocess
+import sys
 import zipfile
 import zlib
 from pathlib import Path
@@ -243,14 +245,40 @@ def test_no_lock_file_is_left_behind(tmp_path):
     assert not (tmp_path / "out2" / ".convert.lock").exists()
 
 
-def test_readme_names_the_files_a_memmap_shard_holds(tmp_path):
+HOLD_LOCK = """
+import fcntl, sys, time
+f = open(sys.argv[1], "a")
+fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a POSIX record lock, as the run lock's
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_conversion_into_a_folder_another_process_holds_is_refused_naming_it(tmp_path):
+    src, out = tmp_path / "src", tmp_path / "out"
+    make_occ3d(src, SCENES[:2])
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out / ".convert.lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        line = one_error_line(convert_occ3d(src, out))
+        assert f"{out} is in use by pid {holder.pid} on host " in line and "choose another --out" in line, line
+        assert sorted(p.name for p in out.iterdir()) == [".convert.lock"]  # nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+
+
+def test_data_guide_names_the_files_a_memmap_shard_holds(tmp_path):
     src, out = tmp_path / "src", tmp_path / "out"
     make_occ3d(src, SCENES[:2])
     assert convert_occ3d(src, out, "--format", "memmap").returncode == 0
     shard = next(out.glob("*.mm"))
     held = sorted(p.name for p in shard.iterdir())
-    readme = (ROOT / "README.md").read_text()
-    bullet = next(ln for ln in readme.split("\n- ") if ln.startswith("**memmap shard**"))
+    guide = (ROOT / "docs" / "DATA.md").read_text()
+    bullet = next(ln for ln in guide.split("\n- ") if ln.startswith("**memmap shard**"))
     for name in held:
         assert name in bullet, (name, bullet)
     assert "scene_names.npy" not in held

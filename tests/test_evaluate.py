@@ -425,7 +425,7 @@ def test_mask_bits_select_one_of_two_masks(tmp_path):
 
     from wm.config import DataConfig
     from wm.data import OccWindows
-    from wm.shards import DatasetInfo, ShardWriter, write_dataset
+    from wm.shards import DatasetInfo, Manifest, ShardWriter
 
     info = DatasetInfo(grid=(4, 4, 2), num_classes=3, free_class=2, class_names=("a", "b", "free"),
                        has_mask=True)
@@ -434,7 +434,7 @@ def test_mask_bits_select_one_of_two_masks(tmp_path):
     mask = rng.integers(0, 4, (3, 4, 4, 2)).astype(np.uint8)  # 0..3: none, camera, lidar, both
     w = ShardWriter(tmp_path / "s.h5", "hdf5", info, compression="gzip1")
     w.add_scene("s0", occ, np.tile(np.eye(4), (3, 1, 1)), np.arange(3) * 500_000, mask=mask)
-    write_dataset(tmp_path, info, [dict(w.close(), split="val")])
+    Manifest(tmp_path, info, [dict(w.close(), split="val")]).write()
     for bits, want in ((0, mask), (1, (mask & 1) != 0), (2, (mask & 2) != 0)):
         cfg = DataConfig(grid=(4, 4, 2), num_classes=3, free_class=2, past=1, future=0, use_mask=True,
                          mask_bits=bits)

@@ -1,7 +1,7 @@
-"""Visibility masks in training (issue 13 item 5): with data.use_mask the tokenizer's cross-entropy and
-Lovasz and the world model's cross-entropy count only visible voxels (token cells that see one);
-a masked-out voxel's label has no effect on the loss or its gradient. Without it (the default,
-OccWorld's protocol) every voxel counts, exactly as before."""
+"""Visibility masks in training: with data.use_mask the tokenizer's cross-entropy and Lovasz and the
+world model's cross-entropy count only visible voxels (token cells that see one); a masked-out
+voxel's label has no effect on the loss or its gradient. Without it (the default, OccWorld's
+protocol) every voxel counts."""
 
 import json
 
@@ -12,8 +12,9 @@ import torch.nn.functional as F
 import wm.train as T
 from wm.stages import val_metrics
 from wm.datastats import NUSCENES_MOVING
+from wm.lovasz import lovasz_softmax
 from wm.shards import OCC3D_CLASSES
-from wm.tokenizer import Tokenizer, TokenizerConfig, lovasz_softmax
+from wm.tokenizer import Tokenizer, TokenizerConfig
 from wm.world import WorldConfig, WorldModel
 
 pytestmark = pytest.mark.usefixtures("restore_signals", "one_thread")

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from wm.convert import TIME_UNITS, frames_scenes
-from wm.recording_checks import UNITS, plan_fit, time_unit_outliers
+from wm.convert_frames import frames_scenes
+from wm.recording_checks import TIME_UNITS, UNITS, plan_fit, time_unit_outliers
 from wm.shards import Shard, load_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -287,7 +287,8 @@ def test_data_sets_without_colours_keep_their_manifest_and_fingerprint(tmp_path)
 
 
 def test_frame_rate_is_the_nominal_rate_despite_clock_jitter():
-    from wm.convert import SceneSpec, median_rate
+    from wm.convert_frames import median_rate
+    from wm.convert_scene import SceneSpec
 
     def spec(step_us, n=20, jitter=0):
         ts = np.cumsum(np.r_[0, np.full(n - 1, step_us)]) + np.random.default_rng(0).integers(-jitter, jitter + 1, n)

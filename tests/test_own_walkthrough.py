@@ -1,10 +1,10 @@
-"""The README's own-recordings walkthrough, its essential path, on fabricated airside recordings: 12
-classes with free = 0, five of them moving, 10 Hz, four drives of 24-30 frames, poses as CSV and
+"""The walkthrough of docs/OWN_RECORDINGS.md, its essential path, on fabricated airside recordings:
+12 classes with free = 0, five of them moving, 10 Hz, four drives of 24-30 frames, poses as CSV and
 JSON. Convert, plan the horizons (train.py --horizons 1,2), train both stages at the planned setting,
 evaluate: 1 s and 2 s are reached without a refusal, and the custom moving classes are in the final
 table, summary.json, --eval-only's table and the pictures. Tiny grid and models (numbers meaningless).
 
-`fabricate` also makes the README-sized recordings (96 x 64 x 10, 0.5 m voxels) for a manual run."""
+`fabricate` also makes the guide-sized recordings (96 x 64 x 10, 0.5 m voxels) for a manual run."""
 
 import json
 import subprocess
@@ -26,7 +26,7 @@ DRIVES = {"drive_01": 24, "drive_02": 26, "drive_03": 30, "drive_04": 27}  # fra
 
 
 def fabricate(root: Path, grid=(16, 16, 4), hz: float = 10.0, t0: float = 1.533e9) -> Path:
-    """Scene folders in the README's layout and classes.json: an apron with a marking, a building,
+    """Scene folders in the guide's layout and classes.json: an apron with a marking, a building,
     poles, a fence and cones; an aircraft taxiing, a tug towing a baggage cart, a belt loader, a
     person walking; the ego creeping forward. drive_01 and drive_03 write poses.csv (x, y, z, yaw),
     the others poses.json (4x4 matrices), timestamps in seconds (Unix time)."""
@@ -145,12 +145,13 @@ def test_walkthrough_reaches_1s_and_2s_and_shows_the_moving_classes(air, restore
     assert "1s (t+2)" in out and "moving classes, IoU per horizon" in out and "baggage_cart" in out
 
 
-def test_the_readme_says_what_the_tools_do():
-    """The own-recordings section and the Occ3D section against the code (behaviour: tests/test_int8.py
+def test_the_guides_say_what_the_tools_do():
+    """The own-recordings guide and the Occ3D guide against the code (behaviour: tests/test_int8.py
     for --eval-windows beyond the split, tests/test_convert.py for the chain ends)."""
-    from wm.convert import CHAIN_END
+    from wm.convert_occ3d import CHAIN_END
 
-    text = " ".join((ROOT / "README.md").read_text().split())
+    pages = (ROOT / "docs" / "OWN_RECORDINGS.md", ROOT / "docs" / "OCC3D.md")
+    text = " ".join(" ".join(p.read_text() for p in pages).split())
     assert "is refused when the validation split has fewer" not in text
     assert "the default, 64, also takes all of them, with a note, when the validation split has fewer" in text
     assert set(CHAIN_END) == {None, "", "EOF"}

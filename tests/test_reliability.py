@@ -465,6 +465,18 @@ def test_11_a_damaged_token_cache_is_named_and_rebuilt(tiny, capsys):
     assert codes.read_bytes() == good
 
 
+def test_11_a_killed_token_cache_build_leaves_no_temporary(tiny):
+    args = tiny.args(train__stages="tokenizer,world", tokenizer_stage__max_steps=2, world_stage__max_steps=1)
+    assert T.main(args) == 0
+    folder = next((tiny.run_dir() / "token_cache").glob("*/codes.npy")).parent
+    # what a build killed while writing the codes leaves: no meta.json, the codes' temporary
+    (folder / "meta.json").unlink()
+    (folder / ".codes.npy.tmp-99999999").write_bytes(b"half of the codes")
+    assert T.main(args) == 0
+    assert sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name) == []
+    assert (folder / "meta.json").is_file()
+
+
 # ---------------------------------------------------------------------------------------------
 # 12. a finished stage given more steps through --allow-changed trains them
 

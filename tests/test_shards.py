@@ -78,8 +78,9 @@ def make_dataset(root: Path, kind: str = "hdf5", with_mask: bool = True,
     train = write_shard(root / f"train-0{sfx}", kind, scenes(with_mask), with_mask, compression)
     val = write_shard(root / f"val-0{sfx}", kind, [hand_scene("hand-v", 4, 9, with_mask)],
                       with_mask, compression)
-    return S.write_dataset(root, synth.dataset_info(GRID, with_mask),
-                           [{**train, "split": "train"}, {**val, "split": "val"}])
+    m = S.Manifest(root, synth.dataset_info(GRID, with_mask), [{**train, "split": "train"}, {**val, "split": "val"}])
+    m.write()
+    return m
 
 
 def leftovers(folder: Path) -> list[str]:
@@ -586,7 +587,7 @@ def _hand_dataset(root: Path, occ, pose=None, offsets=None, names=None) -> Path:
     entry = {"path": "train-0.h5", "kind": "hdf5", "split": "train", "scenes": len(offsets) - 1,
              "frames": n, "bytes": S._size(root / "train-0.h5"),
              "sha256": S.shard_sha256(root / "train-0.h5")}
-    S.write_dataset(root, synth.dataset_info(GRID, False), [entry])
+    S.Manifest(root, synth.dataset_info(GRID, False), [entry]).write()
     return root / "train-0.h5"
 
 

@@ -8,7 +8,9 @@ import torch
 from conftest import OCCWORLD, count_checkpoints
 from wm.config import ActivationCheckpointConfig, load
 from wm.errors import ConfigError, DataError
-from wm.tokenizer import Tokenizer, TokenizerConfig, count_parameters, lovasz_softmax
+from wm.layers import count_parameters
+from wm.lovasz import lovasz_softmax
+from wm.tokenizer import Tokenizer, TokenizerConfig
 
 FREE = 5  # free class of the synthetic test frames (6 classes: 0 ground, 1-4 objects, 5 free)
 
@@ -239,9 +241,10 @@ def test_dead_code_reset_off():
 
 @pytest.mark.parametrize("every", [1, 2])
 def test_activation_checkpointing_same_gradients(every, monkeypatch):
+    import wm.layers as layers
     import wm.tokenizer as tk
 
-    calls = count_checkpoints(monkeypatch, tk)
+    calls = count_checkpoints(monkeypatch, layers)
     torch.manual_seed(0)
     base = Tokenizer(tiny_cfg(blocks_per_level=2), 6, (16, 16, 2))
     ck = copy.deepcopy(base)
@@ -250,7 +253,7 @@ def test_activation_checkpointing_same_gradients(every, monkeypatch):
     out_a = base(occ)
     assert not calls
     out_b = ck(occ)
-    n_blocks = sum(isinstance(b, (tk.ResBlock, tk.AttnBlock)) for b in [*ck.encoder, *ck.decoder])
+    n_blocks = sum(isinstance(b, (layers.ResBlock, tk.AttnBlock)) for b in [*ck.encoder, *ck.decoder])
     assert len(calls) == (n_blocks + every - 1) // every
     out_a["loss"].backward()
     out_b["loss"].backward()

@@ -11,8 +11,9 @@ from torch import nn
 from conftest import OCCWORLD, count_checkpoints
 from wm.config import ActivationCheckpointConfig, load
 from wm.errors import ConfigError
-from wm.tokenizer import ResBlock, Tokenizer, TokenizerConfig, channels_last_grad, masked_cross_entropy
-from wm.world import TemporalLayer, WorldConfig, WorldModel, compose_motion, count_parameters, displacement
+from wm.layers import ResBlock, channels_last_grad, count_parameters, masked_cross_entropy
+from wm.tokenizer import Tokenizer, TokenizerConfig
+from wm.world import TemporalLayer, WorldConfig, WorldModel, compose_motion, displacement
 
 
 @pytest.fixture(autouse=True)
@@ -298,9 +299,9 @@ def test_motion_helpers_and_constant_velocity_prior():
 
 @pytest.mark.parametrize("every", [1, 2])
 def test_activation_checkpointing_same_gradients(every, monkeypatch):
-    import wm.tokenizer as tk  # the world model checkpoints through wm.tokenizer.checkpointed
+    import wm.layers
 
-    calls = count_checkpoints(monkeypatch, tk)
+    calls = count_checkpoints(monkeypatch, wm.layers)
     torch.manual_seed(0)
     base = WorldModel(tiny_cfg(widths=(16, 32), blocks_per_level=2, temporal_layers=2), 32)
     ck = copy.deepcopy(base)

@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from wm.config import load, model_options  # noqa: E402
 from wm.errors import WMError, run_cli  # noqa: E402
-from wm.tokenizer import Tokenizer, count_parameters  # noqa: E402
+from wm.layers import count_parameters  # noqa: E402
+from wm.tokenizer import Tokenizer  # noqa: E402
 from wm.world import WorldModel  # noqa: E402
 
 

@@ -70,10 +70,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wm.convert import (TIME_UNITS, VISIBLE_BITS, YAW_UNITS, add_writer_args, convert_and_report,  # noqa: E402
-                        frames_scenes, median_rate, peek_grid)
-from wm.recording_checks import (GRID_MULTIPLE, check_range, grid_note, plan_fit, rate_problem,  # noqa: E402
-                                 time_unit_outliers, yaw_unit_note)
+from wm.convert import add_writer_args, convert_and_report  # noqa: E402
+from wm.convert_frames import VISIBLE_BITS, YAW_UNITS, frames_scenes, median_rate, peek_grid  # noqa: E402
+from wm.recording_checks import (GRID_MULTIPLE, TIME_UNITS, check_range, grid_note, plan_fit,  # noqa: E402
+                                 rate_problem, time_unit_outliers, yaw_unit_note)
 from wm.datastats import moving_classes  # noqa: E402
 from wm.errors import DataError, run_cli  # noqa: E402
 from wm.shards import DatasetInfo, check_moving  # noqa: E402
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
                "voxel_size": list(info.voxel_size), "range": list(info.range),
                "frame_rate_hz": info.frame_rate_hz, "key": a.key, "mask_key": a.mask_key,
                "time_unit": a.time_unit, "splits": {k: v for k, v in order.items()}}
-    # recorded only when used, so data sets converted before these options existed still resume
+    # recorded only when used: a resume compares records key by key, and one without them has none
     for k, v in (("yaw_units", a.yaw_units if a.yaw_units != "rad" else None), ("fit", fit),
                  ("class_colors", dict(info.class_colors) or None),
                  ("moving_classes", list(info.moving_classes) or None)):

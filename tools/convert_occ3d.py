@@ -31,8 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wm.convert import (MASK_BITS, MASK_MODES, OCC3D_GRID, QUAT_ORDERS, add_writer_args, convert_and_report,  # noqa: E402
-                        occ3d_info, occ3d_scenes, quat_order_warning)
+from wm.convert import add_writer_args, convert_and_report  # noqa: E402
+from wm.convert_occ3d import (MASK_BITS, MASK_MODES, OCC3D_GRID, QUAT_ORDERS, occ3d_info, occ3d_scenes,  # noqa: E402
+                              quat_order_warning)
 from wm.errors import run_cli  # noqa: E402
 
 
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
                "format": a.format, "compression": a.compression if a.format == "hdf5" else "none",
                "scenes_per_shard": a.scenes_per_shard, "grid": list(info.grid), "mask": a.mask,
                "max_scenes": a.max_scenes}
-    if a.quat_order != "wxyz":  # recorded only when given, so earlier conversions still resume
+    if a.quat_order != "wxyz":  # only when given: a resume compares records key by key
         options["quat_order"] = a.quat_order
     record = {"tool": "convert_occ3d", "options": options, "mask_bits": bits,
               "mask_convention": "uint8 bit flags: bit 0 (1) = Occ3D mask_camera, bit 1 (2) = mask_lidar"}

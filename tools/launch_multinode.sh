@@ -18,7 +18,7 @@
 # elastic job may come back on fewer nodes: the sampler continues exactly, the RNG streams are
 # re-seeded). The run folder (run.out_dir) and the data (data.root, or $WM_CACHE for the
 # synthetic set) must be on a filesystem every node sees: rank 0 writes, every rank reads the
-# checkpoint it resumes from. NCCL tips: README "Several nodes".
+# checkpoint it resumes from. NCCL tips: docs/TRAINING.md, "Several GPUs and nodes".
 set -euo pipefail
 
 : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port of one node (the rendezvous store), e.g. node0:29500}"

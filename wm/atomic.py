@@ -3,15 +3,19 @@
 Write to `.<name>.tmp-<pid>` in the same folder, flush, fsync, `os.replace` onto the name, then
 fsync the folder so the rename itself survives a power cut. A reader therefore sees the old file
 or the complete new one, never a half-written one; a failure removes the temporary and leaves the
-old file as it was. Streaming writers (shards, checkpoints) use `tmp_path` / `fsync_dir` directly.
+old file as it was. Writers that need a path rather than a file object (h5py shards, onnx.save)
+write to `tmp_path` and `publish` it. `clean_temps` removes what a killed writer left.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
+import warnings
 from pathlib import Path
+from typing import Any, Callable
 
 from wm.errors import WMError
 
@@ -48,35 +52,65 @@ def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
 
 
 def discard(tmp: str | os.PathLike) -> None:
-    """Remove a temporary if it is there (after a failed write)."""
+    """Remove a temporary if it is there (after a failed write; a failure to remove it must not
+    hide the error that made it stale)."""
     try:
         os.unlink(tmp)
-    except FileNotFoundError:
+    except OSError:
         pass
 
 
-def write_bytes(path: str | os.PathLike, data: bytes | bytearray | memoryview | str) -> int:
-    """Atomically replace `path` with `data` (str is written as UTF-8). Returns the byte count;
-    raises OSError with the temporary removed and `path` untouched."""
+def write_atomic(path: str | os.PathLike, write: Callable[[Any], object]) -> None:
+    """Put `path` in place atomically and durably, its bytes written by `write(file)`. On any
+    failure (a full disk included) the temporary is removed, `path` is left as it was, and the
+    error propagates: the caller turns it into one line."""
     path = Path(path)
-    if isinstance(data, str):
-        data = data.encode("utf-8")
-    view = memoryview(data)
     tmp = tmp_path(path)
     try:
         with open(tmp, "wb") as f:
-            f.write(view)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        discard(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes | bytearray | memoryview | str) -> int:
+    """Atomically replace `path` with `data` (str is written as UTF-8); returns the byte count."""
+    view = memoryview(data.encode("utf-8") if isinstance(data, str) else data)
+    write_atomic(path, lambda f: f.write(view))
     return view.nbytes
+
+
+_TEMP = re.compile(r"\..+\.tmp-\d+")
+
+
+def clean_temps(folder: str | os.PathLike) -> list[Path]:
+    """Remove the temporaries (files or folders) that killed writers left in `folder`; returns
+    them. Only for a folder this process owns (holds its lock): every temporary there is stale."""
+    folder, removed = Path(folder), []
+    try:
+        names = sorted(os.listdir(folder))
+    except FileNotFoundError:
+        return removed
+    for n in names:
+        p = folder / n
+        if not _TEMP.fullmatch(n):
+            continue
+        try:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                os.unlink(p)
+            removed.append(p)
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # a leftover, not a failure: say so and go on
+            warnings.warn(f"cannot remove the stale temporary {p}: {e.strerror or e}", stacklevel=2)
+    return removed
 
 
 def mib(n: float) -> str:

@@ -43,9 +43,8 @@ Why no kill at any instant loses best, latest or a finished stage:
   at the last step and write it then.
 
 Integrity: every load checks the file against its record (the .sha256 file of a step file;
-best.json for best.pt; the `latest` pointer for a run written before .sha256 files existed); a file
-with no record anywhere (a checkpoint copied elsewhere) is checked against its zip's own CRC-32 of
-every record. :func:`load_checked` is the one way to load a checkpoint file (a step file must also
+best.json for best.pt); a file with no record (a checkpoint copied elsewhere) is checked against its
+zip's own CRC-32 of every record. :func:`load_checked` is the one way to load a checkpoint file (a step file must also
 hold the step its name says, and a caller's `check`, wm.ckpt_checks, says whether an intact state
 belongs where it is loaded); :func:`newest_valid` finds the newest one that passes in a folder,
 naming each one it skips with the reason. Nothing is ever loaded
@@ -58,7 +57,7 @@ with anything but ``weights_only=True``, and no message suggests otherwise.
   ``close`` waits for it and re-raises its failure.
 
 The class knows nothing of distributed training: the loop calls it on rank 0 only (every rank
-may call :func:`latest_checkpoint` / :func:`resume_state` / :func:`load` to resume).
+may call :func:`newest_valid` / :func:`load` to resume).
 """
 
 from __future__ import annotations
@@ -72,6 +71,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import threading
 import time
 import warnings
@@ -82,7 +82,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from wm.atomic import fsync_dir, tmp_path
+from wm.atomic import clean_temps, discard, fsync_dir, publish, tmp_path, write_atomic, write_bytes
 from wm.errors import ConfigError, WMError, first_line
 
 __all__ = [
@@ -92,11 +92,9 @@ __all__ = [
     "load_checked",
     "newest_valid",
     "verify",
-    "write_atomic",
+    "write_hashed",
     "latest_checkpoint",
     "list_checkpoints",
-    "clean_stale_temps",
-    "resume_state",
     "rng_state",
     "set_rng_state",
     "checkpoint_name",
@@ -111,7 +109,6 @@ BEST = "best.pt"
 BEST_JSON = "best.json"
 SUMS = ".sha256"  # a step file's checksum file: step_000001000.pt.sha256
 _STEP_RE = re.compile(r"^step_(\d{9,})\.pt$")
-_TMP_RE = re.compile(r"^\..+\.tmp-\d+$")
 
 
 class CheckpointError(WMError):
@@ -128,16 +125,6 @@ def checkpoint_name(step: int) -> str:
 def _step_of(name: str) -> int | None:
     m = _STEP_RE.match(name)
     return int(m.group(1)) if m else None
-
-
-_tmp_path, _fsync_dir = tmp_path, fsync_dir  # the shared helpers (wm/atomic.py)
-
-
-def _unlink_quiet(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 class _HashingWriter:
@@ -163,42 +150,26 @@ class _HashingWriter:
         self.f.flush()
 
 
-def write_atomic(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
-    """Write `path` through `write(fileobj)` atomically and durably; returns (size, sha256 hex).
+def write_hashed(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
+    """wm.atomic.write_atomic that also returns the size and sha256 of what `write(fileobj)` wrote
+    (the record that makes a checkpoint or the token cache checkable)."""
+    def hashed(f):
+        w = _HashingWriter(f)
+        try:
+            write(w)
+        except Exception as e:
+            if w.error is not None and w.error is not e:
+                raise w.error from e
+            raise
+        done.append(w)
 
-    The one path for every file wm must never leave half-written (checkpoints, their records, the
-    token cache). On any failure (a full disk included) the temp file is removed, `path` is left as
-    it was, and the OSError propagates: the caller turns it into one line."""
-    tmp = _tmp_path(path)
-    try:
-        with open(tmp, "wb") as f:
-            w = _HashingWriter(f)
-            try:
-                write(w)
-            except Exception as e:
-                if w.error is not None and w.error is not e:
-                    raise w.error from e
-                raise
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink_quiet(tmp)
-        raise
-    try:
-        _fsync_dir(path.parent)
-    except BaseException:
-        _unlink_quiet(path)  # its directory entry may not be durable: the save failed
-        raise
-    return w.size, w.sha.hexdigest()
-
-
-_atomic_write = write_atomic
+    done: list[_HashingWriter] = []
+    write_atomic(path, hashed)
+    return done[0].size, done[0].sha.hexdigest()
 
 
 def _write_json_atomic(path: Path, obj: dict) -> None:
-    data = (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
-    _atomic_write(path, lambda f: f.write(data))
+    write_bytes(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
 def sha256_file(path: Path) -> str:
@@ -389,13 +360,12 @@ def _sums_file(path: Path) -> Path:
 
 def _write_sums(path: Path, sha: str) -> None:
     """step_N.pt.sha256 in sha256sum's format (`sha256sum -c step_N.pt.sha256` checks it by hand)."""
-    data = f"{sha}  {path.name}\n".encode()
-    _atomic_write(_sums_file(path), lambda f: f.write(data))
+    write_bytes(_sums_file(path), f"{sha}  {path.name}\n")
 
 
 def _record(path: Path) -> tuple[str | None, str] | None:
     """(sha256 or None if the record is damaged, where it is recorded) for `path`, or None if no
-    record names it: its .sha256 file, best.json for best.pt, or the `latest` pointer."""
+    record names it: its .sha256 file, or best.json for best.pt."""
     sums = _sums_file(path)
     if sums.exists():
         try:
@@ -409,9 +379,6 @@ def _record(path: Path) -> tuple[str | None, str] | None:
         if d is not None or (path.parent / BEST_JSON).exists():
             sha = d.get("sha256") if d else None
             return (sha if isinstance(sha, str) else None), BEST_JSON
-    d = _read_json(path.parent / POINTER)
-    if d is not None and d.get("file") == path.name and isinstance(d.get("sha256"), str):
-        return d["sha256"], POINTER
     return None
 
 
@@ -495,15 +462,16 @@ def _load(path: Path, map_location: Any) -> Any:
         raise _refused(path, f"is truncated or corrupt ({msg})") from e
 
 
-load = load_checked  # the historical name: every load is a checked one
+load = load_checked  # the short name: every load is a checked one
 
 
 def _committed(folder: Path) -> list[Path]:
-    """The step files that count, newest first: those with their .sha256 file (in a folder written
-    before .sha256 files existed, every step file)."""
+    """The step files that count, newest first: those with their .sha256 file; where none has one
+    yet (the first save killed between its rename and its .sha256), every step file: each was
+    renamed into place whole, and is checked against its zip's CRC-32s."""
     files = list_checkpoints(folder)
-    legacy = not any(_sums_file(p).exists() for p in files)
-    return [p for p in reversed(files) if legacy or _sums_file(p).exists()]
+    first = not any(_sums_file(p).exists() for p in files)
+    return [p for p in reversed(files) if first or _sums_file(p).exists()]
 
 
 def newest_valid(folder: str | os.PathLike, map_location: Any = "cpu", say: Callable[[str], Any] = print,
@@ -540,33 +508,6 @@ def newest_valid(folder: str | os.PathLike, map_location: Any = "cpu", say: Call
                           "folder, or start over with --fresh (the folder is moved aside, not deleted)")
 
 
-def resume_state(folder: str | os.PathLike, map_location: Any = "cpu") -> dict | None:
-    """The state of the newest valid checkpoint of `folder` (see newest_valid), or None when the
-    folder holds none. A folder holding only damaged checkpoints raises CheckpointError."""
-    found = newest_valid(folder, map_location, say=lambda m: warnings.warn(m, stacklevel=2))
-    return None if found is None else found[1]
-
-
-def clean_stale_temps(folder: str | os.PathLike) -> list[Path]:
-    """Remove the `.<name>.tmp-<pid>` files a killed writer left in `folder`; returns them."""
-    folder = Path(folder)
-    removed = []
-    try:
-        names = os.listdir(folder)
-    except FileNotFoundError:
-        return removed
-    for n in names:
-        if _TMP_RE.match(n):
-            try:
-                os.unlink(folder / n)
-                removed.append(folder / n)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                warnings.warn(f"cannot remove stale temp file {folder / n}: {first_line(e)}", stacklevel=2)
-    return removed
-
-
 # --------------------------------------------------------------------------------------------------
 # The writer
 
@@ -600,10 +541,10 @@ class Checkpointer:
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CheckpointError(f"cannot create checkpoint folder {self.folder}: {first_line(e)}") from e
-        clean_stale_temps(self.folder)
+        clean_temps(self.folder)
         for f in self.folder.glob("step_*.pt" + SUMS):  # left by a rotation killed half-way
             if not f.with_name(f.name[: -len(SUMS)]).exists():
-                _unlink_quiet(f)
+                discard(f)
         self.best_value: float | None = None
         self.best_step: int | None = None
         b = _read_json(self.folder / BEST_JSON)
@@ -660,11 +601,6 @@ class Checkpointer:
         """The `step_*.pt` files, oldest step first."""
         return list_checkpoints(self.folder)
 
-    @property
-    def best_path(self) -> Path | None:
-        p = self.folder / BEST
-        return p if p.is_file() else None
-
     def __enter__(self) -> "Checkpointer":
         return self
 
@@ -718,7 +654,7 @@ class Checkpointer:
         intact = (f"the previous checkpoint {prev.name} and the pointer are intact" if prev else
                   f"no earlier checkpoint in {self.folder}")
         try:
-            size, sha = _atomic_write(path, lambda f: torch.save(state, f))  # 1
+            size, sha = write_hashed(path, lambda f: torch.save(state, f))  # 1
         except OSError as e:
             raise CheckpointError(f"cannot write checkpoint {path}: {first_line(e)}; nothing was "
                                   f"saved under that name, {intact}") from e
@@ -726,7 +662,7 @@ class Checkpointer:
             try:
                 self._update_best(path, step, value, size, sha)
             except CheckpointError:
-                _unlink_quiet(path)
+                discard(path)
                 raise
         target = self.folder / POINTER
         try:
@@ -735,8 +671,8 @@ class Checkpointer:
             target = self.folder / POINTER
             _write_json_atomic(target, {"file": name, "step": step, "size": size, "sha256": sha})  # 5
         except OSError as e:
-            _unlink_quiet(path)  # a failed save leaves nothing under a checkpoint name
-            _unlink_quiet(_sums_file(path))
+            discard(path)  # a failed save leaves nothing under a checkpoint name
+            discard(_sums_file(path))
             raise CheckpointError(f"cannot write checkpoint record {target}: "
                                   f"{first_line(e)}; {name} was removed, {intact}") from e
         self.last_path = path
@@ -745,22 +681,21 @@ class Checkpointer:
 
     def _update_best(self, path: Path, step: int, value: float, size: int, sha: str) -> None:
         best = self.folder / BEST
-        tmp = _tmp_path(best)
+        tmp = tmp_path(best)
         try:
-            _unlink_quiet(tmp)
+            discard(tmp)
             try:
                 os.link(path, tmp)  # no copy; deleting the step file later leaves best.pt intact
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
                     raise
-                _atomic_copy(path, tmp)  # file system without hard links
-            os.replace(tmp, best)
-            _fsync_dir(self.folder)
+                _copy(path, tmp)  # file system without hard links
+            publish(tmp, best)
             _write_json_atomic(self.folder / BEST_JSON, {
                 "source": path.name, "step": step, "metric": self.best_metric,
                 "mode": self.best_mode, "value": value, "size": size, "sha256": sha})
         except OSError as e:
-            _unlink_quiet(tmp)
+            discard(tmp)
             held = f"step {self.best_step}" if self.best_step is not None else "the previous best"
             raise CheckpointError(f"cannot update {best} for {path.name}: {first_line(e)}; {path.name} "
                                   f"was removed, {best} still holds {held}") from e
@@ -779,14 +714,12 @@ class Checkpointer:
                     warnings.warn(f"cannot delete old checkpoint {f}: {first_line(e)}", stacklevel=2)
         if doomed:
             try:
-                _fsync_dir(self.folder)
+                fsync_dir(self.folder)
             except OSError:
                 pass
 
 
-def _atomic_copy(src: Path, tmp: Path) -> None:
-    import shutil
-
+def _copy(src: Path, tmp: Path) -> None:
     with open(src, "rb") as fi, open(tmp, "wb") as fo:
         shutil.copyfileobj(fi, fo, 16 << 20)
         fo.flush()

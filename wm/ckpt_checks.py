@@ -143,11 +143,11 @@ def meta_model(cfg, stage: str) -> torch.nn.Module:
 
 def own_model_problem(st: dict, stage: str) -> Optional[str]:
     """Whether the weights fit the model the checkpoint's own config describes (export, evaluation)."""
-    from wm.config import Config, from_dict
+    from wm.config import from_saved
     from wm.errors import ConfigError
 
     try:
-        cfg = from_dict(Config, st["config"])
+        cfg = from_saved(st["config"])
     except (ConfigError, TypeError, ValueError) as e:
         return f"holds a config this wm refuses ({e})"
     return _model_problem(st["model"], shapes(meta_model(cfg, stage).state_dict()))

@@ -333,7 +333,7 @@ def model_options(cfg: Config, stage: str) -> dict:
     the sections kernels and activation_checkpoint."""
     k, ac = cfg.kernels, cfg.activation_checkpoint
     if stage == "tokenizer":
-        return {"fused_head": k.tokenizer_head, "lovasz_impl": k.lovasz_impl,
+        return {"fused_head": k.tokenizer_head, "fused_lovasz": k.lovasz_histogram, "lovasz_impl": k.lovasz_impl,
                 "fused_embedding_grad": k.embedding_grad, "checkpoint_every": ac.tokenizer_every}
     return {"fused_attention": k.temporal_attention, "channels_last": k.world_channels_last,
             "checkpoint_every": ac.world_every}
@@ -463,6 +463,15 @@ def from_dict(cls, d: Any, prefix: str = "", root_cls=None, base=None):
         else:
             kwargs[k] = _coerce(v, tp, f"{prefix}{k}")
     return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
+
+
+def from_saved(d: Any) -> "Config":
+    """A run's saved config (its config.json, a checkpoint's): the keys it lacks were added after it
+    was written and take their class defaults, which keep what ran before they existed (a partial
+    config file takes the demo's defaults instead, as from_dict gives them)."""
+    hints = _hints(Config)
+    base = Config(**{f.name: hints[f.name]() for f in dataclasses.fields(Config)})
+    return from_dict(Config, d, base=base)
 
 
 def to_dict(cfg) -> dict:

@@ -73,6 +73,7 @@ class KernelsConfig:
     # (N, C, X, Y, Z) logits; with the histogram Lovasz (or none)
     tokenizer_head: bool = True  # tokenizer: fused head + losses on CUDA; false: the torch path
     embedding_grad: bool = True  # tokenizer: the class embedding's gradient in one kernel on CUDA; false: index_add_
+    lovasz_histogram: bool = True  # tokenizer: the histogram Lovasz's terms in one kernel on CUDA; false: torch ops
     # "histogram" ranks the errors by bins of relative width 2**-10 instead of a sort: the loss
     # within 2**-10 of the exact one (wm/lovasz.py), fused kernels on CUDA
     lovasz_impl: str = "sort"  # how the Lovasz loss ranks errors: sort (exact, OccWorld's) | histogram

@@ -4,7 +4,7 @@
 RANK / WORLD_SIZE / LOCAL_RANK; the backend is NCCL on CUDA and gloo on CPU. Every collective
 here is called by every rank at the same point (there are no rank-0-only barriers), and the
 process group has a timeout, so a rank that dies ends the job with an error instead of leaving the
-others waiting forever. Multi-node runs use torchrun's c10d rendezvous (see README).
+others waiting forever. Multi-node runs use torchrun's c10d rendezvous (docs/TRAINING.md).
 """
 
 from __future__ import annotations

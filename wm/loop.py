@@ -36,7 +36,7 @@ from wm.evaluate import autocast
 from wm.logs import eta
 from wm.run import Run, belongs, read_json
 from wm.stages import batches_per_rank
-from wm.tokenizer import count_parameters
+from wm.layers import count_parameters
 from wm.viz import bev_pair
 from wm.wrappers import compiled, wrap_ddp
 

@@ -38,7 +38,6 @@ __all__ = ["lovasz_softmax", "IMPLS", "HIST_BITS"]
 CHUNK_ELEMENTS = 1 << 27  # class-chunk size bound of the temporaries (~33 B per element for "sort")
 HIST_BITS = 10  # mantissa bits of an error that pick its histogram bin (bin width 2**-10 relative)
 IMPLS = ("sort", "histogram")
-FUSED = True  # "histogram" on CUDA runs wm.lovasz_cuda's Triton kernels (False: the torch reference)
 
 
 def _present_weights(labels: Tensor, num_classes: int, present_only: bool, dtype) -> tuple[Tensor, Tensor]:
@@ -167,14 +166,7 @@ def gradient_table(hist: Tensor, counts: Tensor, weight: Tensor, dtype) -> Tenso
 
 def _histogram_terms(probs: Tensor, labels: Tensor, present_only: bool) -> tuple[Tensor, Tensor]:
     """Loss and gradient w.r.t. `probs` with the errors ranked by histogram bins (module docstring).
-    On CUDA (float32, Triton present, FUSED): the same in two fused kernels (wm.lovasz_cuda)."""
-    if FUSED and probs.is_cuda and probs.dtype == torch.float32:
-        try:
-            from wm import lovasz_cuda
-        except ImportError:  # a CUDA build without Triton: the torch path below
-            pass
-        else:
-            return lovasz_cuda.histogram_terms(probs, labels, present_only, HIST_BITS)
+    The torch reference of wm.kernels.lovasz_histogram."""
     num_points, num_classes = probs.shape
     dtype, dev = probs.dtype, probs.device
     counts, weight = _present_weights(labels, num_classes, present_only, dtype)
@@ -202,26 +194,33 @@ def _histogram_terms(probs: Tensor, labels: Tensor, present_only: bool) -> tuple
 
 class _Lovasz(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, probs: Tensor, labels: Tensor, present_only: bool, impl: str) -> Tensor:
-        terms = _sort_terms if impl == "sort" else _histogram_terms
-        loss, grad = terms(probs.detach(), labels, present_only)
+    def forward(ctx, probs: Tensor, labels: Tensor, present_only: bool, impl: str, kernel) -> Tensor:
+        if impl == "sort":
+            loss, grad = _sort_terms(probs.detach(), labels, present_only)
+        elif kernel is not None:
+            loss, grad = kernel(probs.detach(), labels, present_only, HIST_BITS)
+        else:
+            loss, grad = _histogram_terms(probs.detach(), labels, present_only)
         ctx.save_for_backward(grad)  # one (P, C) tensor instead of sort indices + errors + gradients
         return loss
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         (grad,) = ctx.saved_tensors
-        return grad_out * grad, None, None, None
+        return grad_out * grad, None, None, None, None
 
 
 @torch.compiler.disable  # sort/scan code: nothing for a compiler to fuse (and Inductor's scan codegen fails on it)
-def lovasz_softmax(probs: Tensor, labels: Tensor, present_only: bool = True, impl: str = "sort") -> Tensor:
+def lovasz_softmax(probs: Tensor, labels: Tensor, present_only: bool = True, impl: str = "sort",
+                   kernel=None) -> Tensor:
     """Multi-class Lovasz-softmax loss, vectorised over classes. probs: (P, C) class probabilities;
     labels: (P,) long. The mean over the classes present in `labels` (or over all classes).
     impl "sort": the exact loss (Berman et al.'s per-class loop, same value and gradient);
     "histogram": ranked by error bins without a sort, within 2**-HIST_BITS of the exact loss (module
-    docstring)."""
+    docstring). `kernel`, for "histogram": what computes its terms instead of the torch code here,
+    called as kernel(probs, labels, present_only, HIST_BITS) -> (loss, d loss / d probs); the tokenizer
+    passes wm.kernels.lovasz_histogram.histogram_terms where that kernel runs."""
     if impl not in IMPLS:
         raise ValueError(f"lovasz_softmax: impl must be one of {IMPLS}, got {impl!r}")
-    return _Lovasz.apply(probs, labels.long(), present_only, impl)
+    return _Lovasz.apply(probs, labels.long(), present_only, impl, kernel)
 

@@ -1,7 +1,7 @@
 """Own recordings: checks of their timing and geometry, and fitting their grid to the model.
 
-Used by tools/convert_frames.py (planning, in the main process) and wm.convert.read_scene (the
-crop / pad of every frame, in the workers):
+Used by tools/convert_frames.py (planning, in the main process) and wm.convert_frames.read_frame
+(the crop / pad of every frame, in the workers):
 
 - `check_range`: the data set's `range` must span grid x voxel size.
 - `grid_note`: the warning when X or Y is not a multiple of GRID_MULTIPLE, saying which tokenizer

@@ -21,7 +21,7 @@ from wm import distributed as D, runlock
 from wm.atomic import fsync_dir, require_space
 from wm.checkpoint import latest_checkpoint
 from wm.ckpt_checks import checkpoint_bytes, meta_model
-from wm.config import (ALLOWED, FREE, MATCH, Config, from_dict, key_rules, resolve_batch_sizes, save as save_config,
+from wm.config import (ALLOWED, FREE, MATCH, Config, from_saved, key_rules, resolve_batch_sizes, save as save_config,
                        stage_sections, to_dict, upgrade)
 from wm.data import check_against_config, resolve_root
 from wm.errors import ConfigError, WMError
@@ -145,7 +145,7 @@ class Run:
                           f"{self.fingerprint[:16]}; pass --allow-new-data to resume on it anyway, or "
                           "--fresh / another run.name to start over")
         try:
-            old_cfg = from_dict(Config, old)
+            old_cfg = from_saved(old)
         except ConfigError as e:
             raise WMError(f"{prev}: {e}; use --fresh to start over") from None
         a, b = resolve_batch_sizes(to_dict(old_cfg)), resolve_batch_sizes(to_dict(self.cfg))
@@ -240,7 +240,7 @@ def run_identity(cfg: dict, stage: str, sections: tuple = ()) -> dict:
     """The config keys a checkpoint of `stage` must share with this run to be its own: those a resume
     must match (wm/config_rules.py), of the sections the stage depends on (or `sections`). ConfigError
     for a config this wm cannot read."""
-    d = resolve_batch_sizes(to_dict(from_dict(Config, cfg)))
+    d = resolve_batch_sizes(to_dict(from_saved(cfg)))
     rules = key_rules()
     return {f"{sec}.{k}": v for sec in sections or stage_sections(stage) for k, v in d[sec].items()
             if rules[sec][k][0] == MATCH}

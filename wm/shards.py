@@ -26,11 +26,11 @@ import os
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
 
 import numpy as np
 
-from wm.atomic import fsync_dir, tmp_path, write_bytes
+from wm.atomic import publish, tmp_path, write_bytes
 from wm.errors import DataError, first_line
 
 FORMAT, VERSION = "wm-occ", 1
@@ -39,8 +39,8 @@ SUFFIX = {"hdf5": ".h5", "memmap": ".mm"}
 
 # HDF5 compressions a shard may use. gzip is in every stock HDF5 build; zstd and lz4
 # come from the hdf5plugin package (registered on import), which every wm reader imports. The
-# default is chosen by measurement (read speed first, size second): README "Choosing the HDF5
-# compression" has the table; zstd3 reads ~4x faster than gzip1 at ~5x fewer bytes. h5py's lzf is
+# default is chosen by measurement (read speed first, size second): BENCHMARKS.md, "Data", has
+# the table; zstd3 reads ~4x faster than gzip1 at ~5x fewer bytes. h5py's lzf is
 # left out: its output is not byte-reproducible (liblzf's hash table is not initialised), so a
 # regenerated data set would get another fingerprint, and it reads slower than gzip1 here.
 COMPRESSIONS = {  # name: (filter, level)
@@ -84,8 +84,6 @@ OCC3D_CLASSES = (
     "sidewalk", "terrain", "manmade", "vegetation", "free",
 )
 
-FIELDS = ("occ", "mask", "pose", "timestamp", "scene_offsets")  # arrays; scene_names apart
-
 
 @dataclass
 class DatasetInfo:
@@ -100,7 +98,7 @@ class DatasetInfo:
     frame_rate_hz: float = 2.0
     has_mask: bool = False
     # {class name: [r, g, b]} for the pictures (wm.viz.class_palette); optional, and left out of
-    # manifest.json when empty, so data sets without it keep their fingerprint
+    # manifest.json when empty: the fingerprint of a data set without colors has no such key
     class_colors: dict = field(default_factory=dict)
     # the classes that move, in the order tables list them (wm.datastats.moving_classes); optional and
     # left out of manifest.json when empty, where nuScenes-named classes stand for them
@@ -314,9 +312,8 @@ class ShardWriter:
             (self.tmp / "attrs.json").write_text(json.dumps(attrs, indent=1, sort_keys=True))
         if self.path.exists():  # overwrite=True
             _remove(self.path)
-        os.replace(self.tmp, self.path)
+        publish(self.tmp, self.path)
         self.closed = True
-        fsync_dir(self.path.parent)
         return {"path": self.path.name, "kind": self.kind, "scenes": len(self.names),
                 "frames": self.n, "bytes": _size(self.path), "sha256": shard_sha256(self.path)}
 
@@ -467,12 +464,6 @@ def load_manifest(root: str | os.PathLike) -> Manifest:
         if s["kind"] not in KINDS:
             raise DataError(f"{p}: shards[{i}].kind is {s['kind']!r}, expected one of {list(KINDS)}")
     return Manifest(root, info, list(shards))
-
-
-def write_dataset(root: str | os.PathLike, info: DatasetInfo, entries: Iterable[dict]) -> Manifest:
-    m = Manifest(Path(root), info, list(entries))
-    m.write()
-    return m
 
 
 def verify(root: str | os.PathLike) -> list[str]:

@@ -1,8 +1,8 @@
 """Procedural driving scenes: the built-in data set, deterministic from a seed.
 
 Two styles (`synthetic.style`): "occ3d", this module's scenes, and "blocks", the first generator's
-solid columns (wm/synthetic_blocks.py; still the demo's default, see its docstring). Writing,
-caching and the shared constants live here for both.
+solid columns (wm/synthetic_blocks.py; still the demo's default, see its docstring). Writing and
+caching live here for both, what their scenes share in wm/synthetic_road.py.
 
 The "occ3d" scenes are built to look like Occ3D-nuScenes to a model, not like solid blocks: every
 label is an observed surface. A scene is a straight street in its own road frame: a road (driveable_surface)
@@ -45,21 +45,13 @@ from pathlib import Path
 
 import numpy as np
 
+from wm import synthetic_blocks
+from wm.atomic import tmp_path
 from wm.errors import DataError
-from wm.shards import DEFAULT_COMPRESSION, OCC3D_CLASSES, DatasetInfo, Manifest, ShardWriter, load_manifest
+from wm.shards import DEFAULT_COMPRESSION, DatasetInfo, Manifest, ShardWriter, load_manifest
+from wm.synthetic_road import C, DT, FREE, LANE, ROAD_HALF, SIZES, WALK, ego_lane, scene_record
 
-C = {name: i for i, name in enumerate(OCC3D_CLASSES)}
-FREE = C["free"]
-DT = 0.5  # s between frames (2 Hz, as nuScenes keyframes)
 RANGE = (-40.0, -40.0, -1.0, 40.0, 40.0, 5.4)
-LANE = 3.5  # m
-ROAD_HALF = 2 * LANE  # two lanes each way
-WALK = 3.0  # sidewalk width, m
-
-# class: (length, width, height) in metres
-SIZES = {"car": (4.6, 1.9, 1.6), "truck": (8.0, 2.5, 3.2), "bus": (11.0, 2.6, 3.2),
-         "bicycle": (1.8, 0.7, 1.5), "pedestrian": (0.7, 0.7, 1.8),
-         "construction_vehicle": (6.0, 2.6, 3.0), "trailer": (9.0, 2.5, 3.5)}
 
 
 def dataset_info(grid: tuple[int, int, int], with_mask: bool) -> DatasetInfo:
@@ -449,34 +441,6 @@ def _ego(rng: np.random.Generator, frames: int) -> tuple[np.ndarray, np.ndarray]
     return ex, ego_lane(rng, frames, 0.4)
 
 
-def ego_lane(rng: np.random.Generator, frames: int, p: float) -> np.ndarray:
-    """The ego's y in the road frame: the centre of the right lane, with probability `p` one smooth
-    change to the next lane over ~3 s (both styles)."""
-    ey = np.full(frames, -LANE / 2)
-    if rng.random() < p:
-        t0 = rng.integers(0, max(1, frames - 6))
-        ramp = np.clip((np.arange(frames) - t0) / 6, 0, 1)
-        ey = -LANE / 2 - LANE * (3 * ramp**2 - 2 * ramp**3)
-    return ey
-
-
-def scene_record(rng: np.random.Generator, ex: np.ndarray, ey: np.ndarray, occ: np.ndarray,
-                 mask, seed: int, index: int, split_id: int) -> dict:
-    """A rendered scene as make_scene returns it (both styles): the road frame placed in the world with
-    a random heading and offset (drawn from `rng` last), 2 Hz timestamps, and a name."""
-    frames = len(ex)
-    th = rng.uniform(-np.pi, np.pi)
-    off = rng.uniform(-500, 500, size=2)
-    R = np.array([[np.cos(th), -np.sin(th)], [np.sin(th), np.cos(th)]])
-    pose = np.tile(np.eye(4), (frames, 1, 1))
-    pose[:, :2, :2] = R
-    pose[:, :2, 3] = (R @ np.stack([ex, ey])).T + off
-    t0 = 1_533_000_000_000_000 + (split_id * 100_000 + index) * 3_600_000_000
-    timestamp = t0 + np.arange(frames, dtype=np.int64) * int(DT * 1e6)
-    return {"name": f"synth-{split_id}-{seed}-{index:05d}", "occ": occ, "pose": pose,
-            "timestamp": timestamp, "mask": mask}
-
-
 STYLES = ("occ3d", "blocks")  # this module's Occ3D-like scenes | wm/synthetic_blocks.py's solid ones
 
 
@@ -484,8 +448,6 @@ def make_scene(seed: int, index: int, grid: tuple[int, int, int], frames: int,
                with_mask: bool = True, split_id: int = 0, style: str = "blocks") -> dict:
     """One scene: dict(name, occ uint8 (T,X,Y,Z), pose float64 (T,4,4), timestamp int64 (T,), mask)."""
     if style == "blocks":
-        from wm import synthetic_blocks  # imported here: it takes its constants from this module
-
         return synthetic_blocks.make_scene(seed, index, grid, frames, with_mask, split_id)
     if style != "occ3d":
         raise DataError(f"synthetic style {style!r} must be one of {list(STYLES)}")
@@ -579,7 +541,7 @@ def ensure_synthetic(cfg, grid, log=print) -> Path:
     except OSError as e:
         raise DataError(f"cannot create the synthetic data cache {base} ({e}); "
                         "set synthetic.cache_dir or $WM_CACHE to a writable folder") from None
-    tmp = base / f".synthetic-{h}.tmp-{os.getpid()}"
+    tmp = tmp_path(path)
     shutil.rmtree(tmp, ignore_errors=True)
     log(f"generating synthetic {cfg.style} scenes ({cfg.train_scenes}+{cfg.val_scenes} scenes x {cfg.frames} "
         f"frames, grid {'x'.join(map(str, grid))}) into {path} (once)")

@@ -7,14 +7,14 @@ slowly varying speed. Every column is filled from the ground up, so about 37 % o
 occupied and the two lowest levels are full: far easier than Occ3D (wm/synthetic.py's docstring and
 BENCHMARKS.md, "Synthetic scenes against Occ3D"). `synthetic.style = "blocks"` selects them
 (configs/demo_blocks.json: the first demo); the default is the Occ3D-like `occ3d`. The constants are
-wm.synthetic's.
+wm.synthetic_road's, shared with it.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from wm.synthetic import C, DT, FREE, LANE, ROAD_HALF, SIZES, WALK, ego_lane, scene_record
+from wm.synthetic_road import C, DT, FREE, LANE, ROAD_HALF, SIZES, WALK, ego_lane, scene_record
 
 
 def _static_map(rng: np.random.Generator, length_m: float, vx: float, vy: float, width_m: float):

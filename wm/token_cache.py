@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from wm import distributed as D
-from wm.checkpoint import sha256_file, write_atomic
+from wm.atomic import clean_temps, write_bytes
+from wm.checkpoint import sha256_file, write_hashed
 from wm.data import OccWindows, ignore_stop_signals, start_workers
 from wm.errors import WMError, first_line
 from wm.evaluate import autocast, frames_config
@@ -48,8 +49,7 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
         frames = OccWindows(run.root, cfg.data.train_split, frames_config(cfg.data, use_mask=use_mask),
                             h5_cache_mib=cfg.loader.h5_cache_mib)
         h, w = tok.token_shape
-        for stale in folder.parent.glob(".*.tmp-*") if folder.parent.is_dir() else []:
-            shutil.rmtree(stale, ignore_errors=True)  # left by a killed build of an older wm
+        clean_temps(folder)  # the half-written codes of a killed build
         # codes are gathered in memory (int16 50x50 per frame: 140 MB for nuScenes' 28k train frames),
         # then written like a checkpoint: no memory map that a full disk would turn into SIGBUS
         out = np.empty((frames.num_frames, h, w), dtype=np.int16)
@@ -88,12 +88,11 @@ def write_token_cache(folder: Path, codes: np.ndarray, meta: dict, cells: np.nda
         if (folder / "meta.json").exists():
             (folder / "meta.json").unlink()  # a cache being replaced stops counting first
         folder.mkdir(parents=True, exist_ok=True)
-        size, sha = write_atomic(folder / "codes.npy", lambda f: np.lib.format.write_array(f, codes))
+        size, sha = write_hashed(folder / "codes.npy", lambda f: np.lib.format.write_array(f, codes))
         meta = dict(meta, codes_bytes=size, codes_sha256=sha)
         if cells is not None:
-            meta["cell_mask_sha256"] = write_atomic(folder / CELL_MASK, lambda f: np.lib.format.write_array(f, cells))[1]
-        data = json.dumps(meta, indent=1).encode()
-        write_atomic(folder / "meta.json", lambda f: f.write(data))
+            meta["cell_mask_sha256"] = write_hashed(folder / CELL_MASK, lambda f: np.lib.format.write_array(f, cells))[1]
+        write_bytes(folder / "meta.json", json.dumps(meta, indent=1))
     except OSError as e:
         shutil.rmtree(folder, ignore_errors=True)
         raise WMError(f"cannot write the token cache {folder}: {e.strerror or first_line(e)}; nothing was kept "

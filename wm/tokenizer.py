@@ -31,26 +31,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
-from wm.config_rules import FREE, MATCH, rule
+from wm import kernels
 from wm.errors import ConfigError, DataError
+from wm.config_rules import FREE, MATCH, rule
+from wm.layers import ResBlock, checkpointed, masked_cross_entropy, norm
 from wm.lovasz import HIST_BITS, lovasz_softmax
 
-try:  # Triton ships with CUDA builds of torch; without it the tokenizer takes its torch paths
-    from wm import embedding_grad_cuda, tokenizer_head_cuda
-except ImportError:
-    embedding_grad_cuda = tokenizer_head_cuda = None
-
-__all__ = [
-    "TokenizerConfig",
-    "Tokenizer",
-    "VectorQuantizer",
-    "lovasz_softmax",
-    "count_parameters",
-    "ResBlock",
-    "channels_last_grad",
-]
+__all__ = ["TokenizerConfig", "Tokenizer", "VectorQuantizer"]
 
 
 # ------------------------------------------------------------------------------------------ config
@@ -58,8 +46,9 @@ __all__ = [
 
 @dataclass
 class TokenizerConfig:
-    """Tokenizer hyper-parameters. Defaults give a small CPU model; configs/occworld.json holds OccWorld's.
-    A checkpoint's function: a resumed run and --eval-only keep them, but for the loss terms."""
+    """Tokenizer hyper-parameters: what the model computes. Defaults give a small CPU model;
+    configs/occworld.json holds OccWorld's. A checkpoint's function: a resumed run and --eval-only
+    keep them, but for the loss terms, which --eval-only does not use."""
 
     RESUME, EVALUATE = MATCH, MATCH
     embed_dim: int = 8  # class embedding dim per voxel (channels in = Z * embed_dim)
@@ -116,68 +105,7 @@ class TokenizerConfig:
             raise ConfigError("dead_code_steps", f"must be >= 0 (0 = off), got {self.dead_code_steps}")
 
 
-def count_parameters(module: nn.Module, trainable_only: bool = False) -> int:
-    """Number of parameter elements (works on the meta device)."""
-    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
-
-
 # ------------------------------------------------------------------------------------------ blocks
-
-
-def _groups(c: int) -> int:
-    """GroupNorm groups as OccWorld's Normalize: 32 for wide layers, c/4 for narrow ones (always divides c)."""
-    return math.gcd(c, 32 if c > 32 else max(c // 4, 1))
-
-
-def norm(c: int) -> nn.GroupNorm:
-    return nn.GroupNorm(_groups(c), c, eps=1e-6)
-
-
-def _is_channels_last(x: Tensor) -> bool:
-    """A (N, C, H, W) tensor whose channels are adjacent in memory (C > 1: one channel says nothing)."""
-    return x.dim() == 4 and x.shape[1] > 1 and x.stride(1) == 1
-
-
-class _ChannelsLastGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g: Tensor) -> Tensor:
-        return g.contiguous(memory_format=torch.channels_last)
-
-
-def channels_last_grad(x: Tensor) -> Tensor:
-    """x, whose gradient, when x is channels-last, is handed on channels-last too. For a convolution's
-    output: cuDNN's convolution backward converts its grad_output to its input's layout, and under
-    torch.compile a gradient is laid out by its meta strides (GroupNorm's backward: NCHW), so a
-    channels-last model (the world model's) would copy the gradient once per convolution; with this
-    Inductor writes it channels-last in the first place. x itself (no autograd node) for NCHW x or
-    without autograd (export)."""
-    if x.requires_grad and torch.is_grad_enabled() and _is_channels_last(x):
-        return _ChannelsLastGrad.apply(x)
-    return x
-
-
-class ResBlock(nn.Module):
-    """Pre-activation residual block: GN-SiLU-conv3x3-GN-SiLU-conv3x3 (+ 1x1 shortcut when widths differ)."""
-
-    def __init__(self, cin: int, cout: int):
-        super().__init__()
-        self.norm1, self.conv1 = norm(cin), nn.Conv2d(cin, cout, 3, 1, 1)
-        self.norm2, self.conv2 = norm(cout), nn.Conv2d(cout, cout, 3, 1, 1)
-        self.shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
-
-    def forward(self, x: Tensor) -> Tensor:
-        # the convolutions' inputs in x's layout: GroupNorm's result does not say channels-last (its
-        # meta strides are NCHW), so under torch.compile a channels-last model (the world model's) would
-        # get NCHW activations and a copy per convolution each way; a no-op for NCHW x
-        # (and their outputs' gradients, channels_last_grad: the sum's is both conv2's and the shortcut's)
-        fmt = torch.channels_last if _is_channels_last(x) else torch.contiguous_format
-        h = channels_last_grad(self.conv1(F.silu(self.norm1(x)).contiguous(memory_format=fmt)))
-        h = self.conv2(F.silu(self.norm2(h)).contiguous(memory_format=fmt))
-        return channels_last_grad(self.shortcut(x) + h)
 
 
 class AttnBlock(nn.Module):
@@ -229,12 +157,6 @@ class Upsample(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------ checkpointing
-
-def checkpointed(fn, *args: Tensor) -> Tensor:
-    """fn(*args) with its activations recomputed in the backward pass (only its inputs kept). Shared by
-    the tokenizer and the world model; the results and gradients equal an unchecked call
-    (tests/test_tokenizer.py)."""
-    return checkpoint(fn, *args, use_reentrant=False)
 
 
 def _run_blocks(blocks: nn.ModuleList, x: Tensor, every: int, active: bool, start: int = 0) -> tuple[Tensor, int]:
@@ -355,25 +277,14 @@ class VectorQuantizer(nn.Module):
         return dead.sum()
 
 
-# ------------------------------------------------------------------------------------------ losses
-
-
-def masked_cross_entropy(logits: Tensor, target: Tensor, mask: Tensor, weight: Tensor | None = None) -> Tensor:
-    """Cross-entropy averaged over the positions where `mask` (shaped like `target`) is nonzero:
-    logits (N, C, ...), target (N, ...) long. A masked-out position's label has no effect on the
-    value or the gradient (its gradient is exactly 0); all masked out gives 0, not NaN. With
-    `weight` (C,) class weights, the kept terms are weighted and still divided by the number of
-    kept positions (not by the sum of their weights)."""
-    keep = mask != 0
-    per = F.cross_entropy(logits, target, weight=weight, reduction="none")
-    return torch.where(keep, per, 0.0).sum() / keep.sum().clamp_min(1)
+# ------------------------------------------------------------------------------------------ class embedding
 
 
 class _ClassEmbed(torch.autograd.Function):
     """The class embedding's rows for every voxel, w[occ] in `dtype`, keeping only the uint8 labels
     for the backward pass. torch's embedding backward on CUDA sorts all N*X*Y*Z indices first (20 M
     per 32 frames at 200x200x16: 20 ms on an H200); here the weight's gradient is the sum of the
-    output gradients per class: on CUDA wm.embedding_grad_cuda's kernel (one-hot tiles in registers,
+    output gradients per class: on CUDA wm.kernels.embedding_grad (one-hot tiles in registers,
     0.49 ms on an H200, against 4.2 ms for the one-hot matmul in torch, which writes the (P, C)
     matrix first), elsewhere an index_add_ in float32. `fused`: the model's flag for that kernel."""
 
@@ -387,8 +298,8 @@ class _ClassEmbed(torch.autograd.Function):
     def backward(ctx, dh: Tensor):
         (occ,) = ctx.saved_tensors
         dh = dh.reshape(occ.numel(), -1)
-        if ctx.fused and dh.is_cuda and embedding_grad_cuda is not None:
-            dw = embedding_grad_cuda.embedding_grad(occ.reshape(-1), dh, ctx.classes)
+        if kernels.use(kernels.embedding_grad, ctx.fused, dh):
+            dw = kernels.embedding_grad.embedding_grad(occ.reshape(-1), dh, ctx.classes)
         else:
             dw = dh.new_zeros((ctx.classes, dh.shape[1]), dtype=torch.float32).index_add_(
                 0, occ.reshape(-1).long(), dh.float())
@@ -403,9 +314,10 @@ class Tokenizer(nn.Module):
 
     Tokenizer(cfg, num_classes, grid) with grid = (X, Y, Z), X and Y divisible by d = cfg.downsample
     (2**(levels-1); OccWorld's 4). How it runs (the config's kernels and activation_checkpoint
-    sections): fused_head, fused_embedding_grad run the Triton kernels on CUDA where they can;
-    lovasz_impl ranks the Lovasz loss's errors (wm.lovasz); checkpoint_every > 0 recomputes the
-    activations of every k-th block in the backward pass.
+    sections): fused_head, fused_lovasz, fused_embedding_grad run wm.kernels.tokenizer_head,
+    lovasz_histogram and embedding_grad where they can (wm/kernels/__init__.py); lovasz_impl ranks the
+    Lovasz loss's errors (wm.lovasz); checkpoint_every > 0 recomputes the activations of every k-th
+    block in the backward pass.
 
     - encode(occ (..., X, Y, Z) uint8/long) -> codes (..., X/d, Y/d) long
     - decode(codes (..., X/d, Y/d)) -> logits (..., C, X, Y, Z) float
@@ -416,8 +328,8 @@ class Tokenizer(nn.Module):
     """
 
     def __init__(self, cfg: TokenizerConfig, num_classes: int, grid: tuple[int, int, int],
-                 fused_head: bool = True, lovasz_impl: str = "sort", fused_embedding_grad: bool = True,
-                 checkpoint_every: int = 0):
+                 fused_head: bool = True, fused_lovasz: bool = True, fused_embedding_grad: bool = True,
+                 lovasz_impl: str = "sort", checkpoint_every: int = 0):
         super().__init__()
         cfg.validate()
         grid = tuple(int(g) for g in grid)
@@ -430,8 +342,8 @@ class Tokenizer(nn.Module):
         if num_classes < 2:
             raise DataError(f"tokenizer: num_classes must be >= 2, got {num_classes}")
         self.cfg, self.num_classes, self.grid = cfg, num_classes, grid
-        self.fused_head, self.lovasz_impl, self.fused_embedding_grad = fused_head, lovasz_impl, fused_embedding_grad
-        self.checkpoint_every = checkpoint_every
+        self.fused_head, self.fused_lovasz, self.fused_embedding_grad = fused_head, fused_lovasz, fused_embedding_grad
+        self.lovasz_impl, self.checkpoint_every = lovasz_impl, checkpoint_every
         e, w0, w2 = cfg.embed_dim, cfg.widths[0], cfg.widths[-1]
         low = len(cfg.widths) - 1  # the lowest-resolution level
         cin = grid[2] * e
@@ -540,10 +452,10 @@ class Tokenizer(nn.Module):
         return torch.einsum("nzexy,ce->ncxyz", h, self.class_embed.weight)
 
     def _fused(self, h: Tensor) -> bool:
-        """Whether forward scores `h` with wm.tokenizer_head_cuda (the fused_head flag)."""
-        cfg = self.cfg
-        return self.fused_head and h.is_cuda and (self.lovasz_impl == "histogram" or cfg.lovasz_weight == 0) \
-            and tokenizer_head_cuda is not None
+        """Whether forward scores `h` with wm.kernels.tokenizer_head (the fused_head flag): its Lovasz
+        term is the histogram one."""
+        return (self.lovasz_impl == "histogram" or self.cfg.lovasz_weight == 0) \
+            and kernels.use(kernels.tokenizer_head, self.fused_head, h)
 
     def set_class_frequencies(self, counts) -> Tensor:
         """Set the CE class weights from per-class voxel counts of the training data (see
@@ -637,15 +549,18 @@ class Tokenizer(nn.Module):
             if mask is not None:  # the visible points only (Lovasz ranks errors over whatever it is given)
                 keep = mask.reshape(-1) != 0
                 probs, labels = probs[keep], labels[keep]
-            lov = lovasz_softmax(probs, labels, impl=self.lovasz_impl) if labels.numel() else probs.sum() * 0.0
+            kernel = None
+            if self.lovasz_impl == "histogram" and kernels.use(kernels.lovasz_histogram, self.fused_lovasz, probs):
+                kernel = kernels.lovasz_histogram.histogram_terms
+            lov = lovasz_softmax(probs, labels, impl=self.lovasz_impl, kernel=kernel) if labels.numel() else probs.sum() * 0.0
         else:
             lov = ce.new_zeros(())
         total = cfg.ce_weight * ce + cfg.lovasz_weight * lov + cfg.vq_weight * vq
         return {"loss": total, "ce": ce, "lovasz": lov, "vq": vq}
 
     def _fused_loss(self, h: Tensor, occ: Tensor, vq: Tensor, mask: Tensor | None) -> dict[str, Tensor]:
-        """`loss` from the decoder output h (N, Z*E, X, Y) through wm.tokenizer_head_cuda: the same
-        terms (tests/test_tokenizer_head_cuda.py), without the logits."""
+        """`loss` from the decoder output h (N, Z*E, X, Y) through wm.kernels.tokenizer_head: the same
+        terms (tests/test_kernel_tokenizer_head.py), without the logits."""
         cfg = self.cfg
         labels = occ.to(torch.int16)
         if mask is not None:  # a masked-out voxel counts in neither loss (label -1)
@@ -653,8 +568,8 @@ class Tokenizer(nn.Module):
         weight = self.class_weights if cfg.class_weight_power > 0 else torch.ones_like(self.class_weights)
         # (N, Z*E, X, Y) -> (N, X, Y, Z, E) -> (P, E): voxels in occ's order (a view if h is channels-last)
         h = h.permute(0, 2, 3, 1).reshape(-1, cfg.embed_dim)
-        ce, lov = tokenizer_head_cuda.head_losses(h, self.class_embed.weight, labels.reshape(-1), weight,
-                                                  cfg.lovasz_weight > 0, True, HIST_BITS)
+        ce, lov = kernels.tokenizer_head.head_losses(h, self.class_embed.weight, labels.reshape(-1), weight,
+                                                     cfg.lovasz_weight > 0, True, HIST_BITS)
         total = cfg.ce_weight * ce + cfg.lovasz_weight * lov + cfg.vq_weight * vq
         return {"loss": total, "ce": ce, "lovasz": lov, "vq": vq}
 

@@ -34,28 +34,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from wm.config_rules import FREE, MATCH, rule
+from wm import kernels
 from wm.errors import ConfigError
-
-try:  # Triton ships with CUDA builds of torch; without it the temporal attention takes the torch path
-    from wm import temporal_attention_cuda
-except ImportError:
-    temporal_attention_cuda = None
-from wm.tokenizer import (ResBlock, channels_last_grad, checkpointed, count_parameters,
-                          masked_cross_entropy, norm)
+from wm.config_rules import FREE, MATCH, rule
+from wm.layers import ResBlock, channels_last_grad, checkpointed, masked_cross_entropy, norm
 
 # ONNX export must not meet the Triton op. (Not torch.compiler.is_exporting: torch 2.11's Dynamo answers
 # True to it inside torch.compile too, which kept the kernel out of every compiled step.)
 _exporting = torch.onnx.is_in_onnx_export
 
 
-def _kernel_device(x: Tensor) -> bool:
-    """Whether the fused temporal attention's Triton kernels can take x: CUDA tensors (the tests run them
-    on CPU tensors in Triton's interpreter by replacing this)."""
-    return x.is_cuda
-
-
-__all__ = ["WorldConfig", "WorldModel", "count_parameters", "motion_features", "compose_motion"]
+__all__ = ["WorldConfig", "WorldModel", "motion_features", "compose_motion"]
 
 
 # ------------------------------------------------------------------------------------------ config
@@ -63,10 +52,12 @@ __all__ = ["WorldConfig", "WorldModel", "count_parameters", "motion_features", "
 
 @dataclass
 class WorldConfig:
-    """World-model hyper-parameters. Defaults give the small CPU demo model; configs/occworld.json holds
-    OccWorld's. A checkpoint's function: a resumed run and --eval-only keep them, but for the loss weights."""
+    """World-model hyper-parameters: what the model computes. Defaults give the small CPU demo model;
+    configs/occworld.json holds OccWorld's. A checkpoint's function: a resumed run and --eval-only keep
+    them, but for the loss weights, which --eval-only does not use."""
 
     RESUME, EVALUATE = MATCH, MATCH
+
     widths: tuple[int, ...] = (32, 64, 128)  # U-Net widths, one per resolution level (>= 2 levels)
     blocks_per_level: int = 1  # spatial ResBlocks per level
     temporal_layers: int = 1  # causal temporal attention + FFN layers per encoder/decoder level
@@ -162,7 +153,7 @@ def short_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     sequences, waste most of each tile: measured on an H200, forward + backward at the occworld
     size (40 000 cells x 8 heads x 11 frames x 16): cuDNN (SDPA's pick) 14.6 ms, flash 23.9,
     mem-efficient 11.4, SDPA's math path 7.5, this 6.6. On CUDA, TemporalLayer takes the Triton
-    kernels of wm.temporal_attention_cuda instead (kernels.temporal_attention; 0.7 ms at that size on an
+    kernels of wm.kernels.temporal_attention instead (kernels.temporal_attention; 0.7 ms at that size on an
     H100). Long sequences (the tokenizer's and the pose layer's spatial attention) keep SDPA. q may hold
     fewer frames than k, v: then they are the last ones (a rollout step with the earlier frames' keys
     and values cached)."""
@@ -195,18 +186,16 @@ class TemporalLayer(nn.Module):
         self.norm1, self.qkv, self.proj = nn.LayerNorm(c), nn.Linear(c, 3 * c), nn.Linear(c, c)
         self.norm2, self.ffn = nn.LayerNorm(c), _ffn(c, ffn_mult)
 
-    def _use_kernel(self, x: Tensor, cache: dict | None) -> bool:
-        """The Triton kernel (the fused_attention flag) on CUDA, for a whole window (no rollout cache:
-        the kernel's queries and keys are the same frames); never while exporting (ONNX has no such op)."""
-        b, t, s, c = x.shape
-        return (self.fused and cache is None and _kernel_device(x) and temporal_attention_cuda is not None
-                and temporal_attention_cuda.supports(t, c, self.heads) and not _exporting())
+    def _use_kernel(self, qkv: Tensor, cache: dict | None) -> bool:
+        """The Triton kernel (the fused_attention flag) where it takes qkv, for a whole window (no rollout
+        cache: the kernel's queries and keys are the same frames); never while exporting (ONNX has no such op)."""
+        return cache is None and kernels.use(kernels.temporal_attention, self.fused, qkv, self.heads) and not _exporting()
 
     def forward(self, x: Tensor, cache: dict | None = None) -> Tensor:
         b, t, s, c = x.shape
         qkv = self.qkv(self.norm1(x))
-        if self._use_kernel(x, cache):
-            o = temporal_attention_cuda.causal_time_attention(qkv, self.heads)  # (B, T, S, C), no permutes
+        if self._use_kernel(qkv, cache):
+            o = kernels.temporal_attention.causal_time_attention(qkv, self.heads)  # (B, T, S, C), no permutes
         else:  # q, k, v (B, S, heads, T, d): attention over the frame axis
             q, k, v = qkv.reshape(b, t, s, 3, self.heads, c // self.heads).permute(3, 0, 2, 4, 1, 5)
             k, v = _cached(cache, self, k, v)

@@ -44,7 +44,7 @@ from torch import nn
 from wm.atomic import discard, publish, tmp_path
 from wm.checkpoint import latest_checkpoint, load, newest_valid
 from wm.ckpt_checks import EVAL_KEYS, checker, first_nonfinite
-from wm.config import Config, from_dict, model_options
+from wm.config import Config, from_saved, model_options
 from wm.errors import ConfigError, WMError
 from wm.tokenizer import Tokenizer
 from wm.world import WorldModel
@@ -113,7 +113,7 @@ def load_trained(run: str | os.PathLike, ckpt: Optional[str | os.PathLike] = Non
     if bad := first_nonfinite(st, ("model",)):
         raise ExportError(f"{ckpt} holds non-finite values (first: {bad}); export a checkpoint saved before them")
     try:
-        cfg = from_dict(Config, st["config"]).validate()
+        cfg = from_saved(st["config"]).validate()
     except ConfigError as e:
         raise ExportError(f"{ckpt}: its config is refused ({e})") from None
     from wm.evaluate import config_diffs, more_keys, world_tokenizer

@@ -685,10 +685,12 @@ def deploy(onnx_files: Mapping[str, Path], feeds: Mapping[str, Mapping[str, Any]
         full = {k: torch.from_numpy(v) for k, v in feed.items()}
         got = runner(**full)
         # a Q/DQ file's reference is its ONNX semantics, not a CPU's integer kernels
-        ref = session(path, qdq_in_float=True).run(None, feed)
-        if len(ref) != len(runner.outputs):
-            raise TrtError(f"engine {engine} has outputs {runner.outputs}, onnxruntime gives {len(ref)} for {path}")
-        vs = {o: _agreement(got[o].cpu().numpy(), r) for o, r in zip(runner.outputs, ref)}
+        sess = session(path, qdq_in_float=True)
+        names = [o.name for o in sess.get_outputs()]
+        if sorted(names) != sorted(runner.outputs):
+            raise TrtError(f"engine {engine} has outputs {runner.outputs}, onnxruntime gives {names} for {path}")
+        # by name: TensorRT documents no order for an engine's I/O tensors
+        vs = {o: _agreement(got[o].cpu().numpy(), r) for o, r in zip(names, sess.run(None, feed))}
         one = {k: v[:1] for k, v in full.items()}
         batch = int(next(iter(feed.values())).shape[0])
         ms1, msb = runner.time(one, timing_iters), runner.time(full, timing_iters)

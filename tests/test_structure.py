@@ -1,0 +1,109 @@
+"""The package's shape: the import graph has no circles, shared layers do not come from a sibling
+model module, data flows one way, and no file or loop function grows past its size without a
+stated reason (docs/ARCHITECTURE.md)."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+WM = Path(__file__).resolve().parents[1] / "wm"
+MODELS = {"wm.tokenizer", "wm.world"}  # a model module may not import another for shared layers
+# the flow's stages, left to right; a module may import only from its own stage or one to its left
+STAGES = [
+    {"wm.errors", "wm.atomic"},
+    {"wm.shards", "wm.synthetic", "wm.synthetic_blocks", "wm.datastats", "wm.recording_checks"},
+    {"wm.data", "wm.horizons"},
+    {"wm.layers", "wm.tokenizer", "wm.world", "wm.lovasz"},
+]
+LINE_LIMIT = 600
+REASON = "longer than 600 lines because"  # a module past the limit says why in its docstring
+LOOP_FUNCTION_LIMIT = 80
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for p in sorted(WM.rglob("*.py")):
+        parts = p.relative_to(WM.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = p
+    return out
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The wm modules `name` imports at module level or inside functions (both run)."""
+    tree = ast.parse(path.read_text())
+    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            out.add(base)
+            out |= {f"{base}.{a.name}" for a in node.names}
+    return {m for m in out if m in known and m != name}
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {n: imports(n, p, set(mods)) for n, p in mods.items()}
+
+
+def test_no_import_circles():
+    g = graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(g[n]):
+            if m == n.rpartition(".")[0]:
+                continue  # a package's module importing its package's __init__
+            if state.get(m) == 1:
+                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(m):] + [m]))
+            if m not in state:
+                visit(m)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(g):
+        if n not in state:
+            visit(n)
+
+
+def test_models_take_shared_layers_from_no_sibling_model():
+    g = graph()
+    for n in MODELS:
+        assert not (g[n] & (MODELS - {n})), f"{n} imports {sorted(g[n] & MODELS)}: shared layers live in wm.layers"
+
+
+def test_data_flows_one_way():
+    g = graph()
+    stage = {m: i for i, s in enumerate(STAGES) for m in s}
+    for n, deps in g.items():
+        if n not in stage:
+            continue
+        for m in deps:
+            assert stage.get(m, -1) <= stage[n], f"{n} (stage {stage[n]}) imports {m} (stage {stage[m]}), to its right"
+
+
+@pytest.mark.parametrize("path", sorted(WM.rglob("*.py")), ids=lambda p: str(p.relative_to(WM.parent)))
+def test_no_file_past_600_lines_without_a_stated_reason(path):
+    n = len(path.read_text().splitlines())
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    assert n <= LINE_LIMIT or REASON in doc, f"{path.name} has {n} lines and its docstring says not why ({REASON} ...)"
+
+
+def test_no_function_over_80_lines_in_the_loop():
+    loop = [p for n, p in modules().items() if n in ("wm.loop", "wm.train")]
+    assert loop
+    for p in loop:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                assert n <= LOOP_FUNCTION_LIMIT, f"{p.name}: {node.name} has {n} lines"
