@@ -180,7 +180,7 @@ def export(argv, progress: dict) -> int:
         report["int8"] = full["int8"]
         secs.update({f"int8_{k}": v for k, v in full["int8"]["seconds"].items() if k != "total"})
     if not a.no_trt:
-        from wm.export.trt import deploy
+        from wm.export.trt_run import deploy
 
         t0 = time.perf_counter()
         progress["phase"] = "the TensorRT step"

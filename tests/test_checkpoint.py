@@ -23,7 +23,8 @@ from torch import nn
 
 import wm.checkpoint as ck
 from wm import atomic
-from wm.checkpoint import Checkpointer, CheckpointError
+from wm.checkpoint import CheckpointError
+from wm.checkpointer import Checkpointer
 from wm.errors import ConfigError, WMError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -528,7 +529,7 @@ def test_read_only_folder(tmp_path):
 CHILD = """
 import sys
 import torch
-from wm.checkpoint import Checkpointer
+from wm.checkpointer import Checkpointer
 
 c = Checkpointer(sys.argv[1], keep_last=5)
 for step in range(1, 6):

@@ -66,7 +66,7 @@ def plant(folder: Path, name: str, obj) -> Path:
     sha = ck.sha256_file(path)
     (folder / f"{name}.sha256").write_text(f"{sha}  {name}\n")
     if name != ck.BEST:
-        (folder / "latest").write_text(json.dumps({"file": name, "step": ck._step_of(name),
+        (folder / "latest").write_text(json.dumps({"file": name, "step": ck.step_of(name),
                                                    "size": path.stat().st_size, "sha256": sha}))
     else:
         b = json.loads((folder / ck.BEST_JSON).read_text())

@@ -9,7 +9,8 @@ import torch
 from wm.config import DataConfig, LoaderConfig
 from wm.data import OccWindows, ResumableSampler, make_loader, relative_motion, window_index
 from wm.errors import DataError
-from wm.shards import DatasetInfo, Manifest, ShardWriter
+from wm.shard_writer import ShardWriter
+from wm.shards import DatasetInfo, Manifest
 
 GRID = (8, 8, 2)
 

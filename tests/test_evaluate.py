@@ -425,7 +425,8 @@ def test_mask_bits_select_one_of_two_masks(tmp_path):
 
     from wm.config import DataConfig
     from wm.data import OccWindows
-    from wm.shards import DatasetInfo, Manifest, ShardWriter
+    from wm.shard_writer import ShardWriter
+    from wm.shards import DatasetInfo, Manifest
 
     info = DatasetInfo(grid=(4, 4, 2), num_classes=3, free_class=2, class_names=("a", "b", "free"),
                        has_mask=True)

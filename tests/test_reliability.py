@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import wm.checkpoint as ck
+from wm.checkpointer import Checkpointer
 import wm.loop as L
 import wm.train as T
 from wm.config import Config
@@ -203,7 +204,7 @@ def _ops_of_a_save(folder: Path) -> int:
             return real[k](*a, **kw)
         return f
 
-    c = ck.Checkpointer(folder, keep_last=2, best_metric="iou", async_save=False)
+    c = Checkpointer(folder, keep_last=2, best_metric="iou", async_save=False)
     for s, v in ((1, 0.1), (2, 0.3), (3, 0.2)):
         c.save(_state(s), s, {"iou": v})
     try:
@@ -221,7 +222,7 @@ def test_5_a_kill_at_every_instant_of_a_save_keeps_best_and_latest(tmp_path):
     assert total >= 5
     for kill_at in range(total + 1):
         folder = tmp_path / f"k{kill_at}"
-        c = ck.Checkpointer(folder, keep_last=2, best_metric="iou", async_save=False)
+        c = Checkpointer(folder, keep_last=2, best_metric="iou", async_save=False)
         for s, v in ((1, 0.1), (2, 0.3), (3, 0.2)):
             c.save(_state(s), s, {"iou": v})
         pid = os.fork()
@@ -244,7 +245,7 @@ def test_5_a_kill_at_every_instant_of_a_save_keeps_best_and_latest(tmp_path):
         _, status = os.waitpid(pid, 0)
         assert os.WEXITSTATUS(status) == (9 if kill_at < total else 0)
         # the restart: the newest valid checkpoint, and best as the loop's state says
-        c = ck.Checkpointer(folder, keep_last=2, best_metric="iou", async_save=False)
+        c = Checkpointer(folder, keep_last=2, best_metric="iou", async_save=False)
         found = ck.newest_valid(folder, say=lambda *a: None)
         assert found is not None, kill_at
         path, st = found

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import wm.synthetic as synth
-from wm import shards as S
+from wm import shard_writer as SW, shards as S
 from wm.config import DataConfig, SyntheticConfig
 from wm.data import check_against_config
 from wm.errors import DataError, WMError
@@ -64,7 +64,7 @@ def scenes(with_mask: bool = True) -> list[dict]:
 def write_shard(path: Path, kind: str, sc: list[dict], with_mask: bool = True,
                 compression: str = S.DEFAULT_COMPRESSION) -> dict:
     info = synth.dataset_info(GRID, with_mask)
-    with S.ShardWriter(path, kind, info, compression=compression) as w:
+    with SW.ShardWriter(path, kind, info, compression=compression) as w:
         for s in sc:
             w.add_scene(s["name"], s["occ"], s["pose"], s["timestamp"], s["mask"])
         return w.close()
@@ -207,7 +207,7 @@ def test_plugin_compression_without_hdf5plugin(tmp_path, monkeypatch, comp):
     monkeypatch.setitem(sys.modules, "hdf5plugin", None)  # import hdf5plugin -> ImportError
     out = tmp_path / "out"
     out.mkdir()
-    msg = refused(S.ShardWriter, out / "x.h5", "hdf5", synth.dataset_info(GRID, True), compression=comp)
+    msg = refused(SW.ShardWriter, out / "x.h5", "hdf5", synth.dataset_info(GRID, True), compression=comp)
     assert "hdf5plugin" in msg and "x.h5" in msg
     assert leftovers(out) == []
     msg = refused(S.open_split, root, "train")
@@ -342,7 +342,7 @@ def test_verify(tmp_path, kind):
     assert S.verify(root) == []
 
     val = root / f"val-0{S.SUFFIX[kind]}"
-    S._remove(val)
+    SW._remove(val)
     (problem,) = S.verify(root)
     assert str(val) in problem and "missing" in problem
 
@@ -389,7 +389,7 @@ def test_writer_refuses_bad_scene_and_leaves_nothing(tmp_path, kind, case):
     info = synth.dataset_info(GRID, True)
 
     def go():
-        with S.ShardWriter(out / f"x{S.SUFFIX[kind]}", kind, info) as w:
+        with SW.ShardWriter(out / f"x{S.SUFFIX[kind]}", kind, info) as w:
             w.add_scene("good", good["occ"], good["pose"], good["timestamp"], good["mask"])
             w.add_scene("bad-scene", *args)
             w.close()
@@ -420,7 +420,7 @@ def test_writer_into_missing_folder(tmp_path):
 def test_writer_refuses_mask_when_data_set_has_none(tmp_path, kind):
     s = hand_scene("s", 2, 1, with_mask=True)
     with pytest.raises(DataError, match="has_mask"):
-        with S.ShardWriter(tmp_path / f"x{S.SUFFIX[kind]}", kind, synth.dataset_info(GRID, False)) as w:
+        with SW.ShardWriter(tmp_path / f"x{S.SUFFIX[kind]}", kind, synth.dataset_info(GRID, False)) as w:
             w.add_scene("s", s["occ"], s["pose"], s["timestamp"], s["mask"])
     assert leftovers(tmp_path) == []
 
@@ -435,7 +435,7 @@ def test_writer_refuses_existing_target_untouched(tmp_path, kind):
         target.mkdir()
         (target / "occ.npy").write_bytes(b"precious bytes")
         before = {"occ.npy": (target / "occ.npy").read_bytes()}
-    msg = refused(S.ShardWriter, target, kind, synth.dataset_info(GRID, True))
+    msg = refused(SW.ShardWriter, target, kind, synth.dataset_info(GRID, True))
     assert str(target) in msg and "exists" in msg
     assert leftovers(tmp_path) == [target.name]  # no temp beside it
     if kind == "hdf5":
@@ -450,7 +450,7 @@ def test_writer_overwrite_replaces_only_when_asked(tmp_path, kind):
     target = tmp_path / f"x{S.SUFFIX[kind]}"
     write_shard(target, kind, [hand_scene("old", 2, 1)])
     s = hand_scene("new", 3, 2)
-    with S.ShardWriter(target, kind, synth.dataset_info(GRID, True), overwrite=True) as w:
+    with SW.ShardWriter(target, kind, synth.dataset_info(GRID, True), overwrite=True) as w:
         w.add_scene("new", s["occ"], s["pose"], s["timestamp"], s["mask"])
         e = w.close()
     assert e["frames"] == 3 and e["sha256"] == S.shard_sha256(target)
@@ -461,7 +461,7 @@ def test_writer_overwrite_replaces_only_when_asked(tmp_path, kind):
 def test_exception_inside_writer_removes_temp(tmp_path, kind):
     s = hand_scene("s", 2, 1)
     with pytest.raises(KeyboardInterrupt):
-        with S.ShardWriter(tmp_path / f"x{S.SUFFIX[kind]}", kind, synth.dataset_info(GRID, True)) as w:
+        with SW.ShardWriter(tmp_path / f"x{S.SUFFIX[kind]}", kind, synth.dataset_info(GRID, True)) as w:
             w.add_scene("s", s["occ"], s["pose"], s["timestamp"], s["mask"])
             assert leftovers(tmp_path) != []  # the temporary exists while writing
             raise KeyboardInterrupt
@@ -471,7 +471,7 @@ def test_exception_inside_writer_removes_temp(tmp_path, kind):
 @pytest.mark.parametrize("kind", S.KINDS)
 def test_writer_refuses_empty_shard(tmp_path, kind):
     def go():
-        with S.ShardWriter(tmp_path / f"x{S.SUFFIX[kind]}", kind, synth.dataset_info(GRID, True)) as w:
+        with SW.ShardWriter(tmp_path / f"x{S.SUFFIX[kind]}", kind, synth.dataset_info(GRID, True)) as w:
             w.close()
 
     msg = refused(go)
@@ -481,8 +481,8 @@ def test_writer_refuses_empty_shard(tmp_path, kind):
 
 def test_writer_refuses_unknown_kind_and_compression(tmp_path):
     info = synth.dataset_info(GRID, True)
-    assert "zarr" in refused(S.ShardWriter, tmp_path / "x.h5", "zarr", info)
-    msg = refused(S.ShardWriter, tmp_path / "x.h5", "hdf5", info, compression="zstd")
+    assert "zarr" in refused(SW.ShardWriter, tmp_path / "x.h5", "zarr", info)
+    msg = refused(SW.ShardWriter, tmp_path / "x.h5", "hdf5", info, compression="zstd")
     assert "zstd" in msg and "gzip1" in msg
     assert leftovers(tmp_path) == []
 
@@ -496,7 +496,7 @@ def test_missing_shard(tmp_path, kind):
     root = tmp_path / "ds"
     make_dataset(root, kind)
     shard = root / f"train-0{S.SUFFIX[kind]}"
-    S._remove(shard)
+    SW._remove(shard)
     msg = refused(S.open_split, root, "train")
     assert str(shard) in msg and "missing" in msg
     S.open_split(root, "val")  # the other split still opens
@@ -585,7 +585,7 @@ def _hand_dataset(root: Path, occ, pose=None, offsets=None, names=None) -> Path:
     names = [f"s{i}" for i in range(len(offsets) - 1)] if names is None else names
     write_h5_by_hand(root / "train-0.h5", occ, pose, offsets, names)
     entry = {"path": "train-0.h5", "kind": "hdf5", "split": "train", "scenes": len(offsets) - 1,
-             "frames": n, "bytes": S._size(root / "train-0.h5"),
+             "frames": n, "bytes": S.shard_size(root / "train-0.h5"),
              "sha256": S.shard_sha256(root / "train-0.h5")}
     S.Manifest(root, synth.dataset_info(GRID, False), [entry]).write()
     return root / "train-0.h5"
@@ -824,7 +824,7 @@ def test_ensure_synthetic_concurrent_generation(tmp_path, monkeypatch):
         return m
 
     path = synth.ensure_synthetic(cfg, GRID, log=lambda s: None)
-    S._remove(path)
+    SW._remove(path)
     final["path"] = path
     monkeypatch.setattr(synth, "write_synthetic", racing)
     assert synth.ensure_synthetic(cfg, GRID, log=lambda s: None) == path

@@ -28,6 +28,7 @@ from onnx import TensorProto, helper
 
 import wm.export.onnx  # noqa: F401 (the same)
 import wm.export.trt as T
+import wm.export.trt_run as R
 from wm.errors import WMError
 from wm.export.calib import trt_version_number, write_cache
 
@@ -226,8 +227,8 @@ def use(monkeypatch):
         trt = fake_trt(major, **kw)
         monkeypatch.setitem(sys.modules, "tensorrt", trt)
         monkeypatch.setattr(T, "_cuda_device", lambda: "Fake GPU")
-        monkeypatch.setattr(T, "_device", lambda: torch.device("cpu"))
-        monkeypatch.setattr(T, "_stream", lambda device: (STREAM, lambda: trt.ran.append("wait")))
+        monkeypatch.setattr(R, "_device", lambda: torch.device("cpu"))
+        monkeypatch.setattr(R, "_stream", lambda device: (STREAM, lambda: trt.ran.append("wait")))
         return trt
 
     return install
@@ -467,7 +468,7 @@ def test_build_without_cuda_is_one_line(use, qdq_onnx, tmp_path, monkeypatch):
 @pytest.fixture
 def runner(trt, qdq_onnx, tmp_path):
     build(qdq_onnx, tmp_path / "e.plan")
-    return T.TrtRunner(tmp_path / "e.plan")
+    return R.TrtRunner(tmp_path / "e.plan")
 
 
 def test_runner_binds_torch_tensors_and_maps_dtypes(trt, runner):
@@ -512,10 +513,10 @@ def test_runner_bad_engine_files(use, tmp_path):
     junk = tmp_path / "junk.plan"
     junk.write_bytes(b"\x01\x02 not an engine")
     with pytest.raises(WMError) as ei:
-        T.TrtRunner(junk)
+        R.TrtRunner(junk)
     assert str(junk) in one_line(ei.value) and "magicTagRead" in str(ei.value)
     with pytest.raises(WMError) as ei:
-        T.TrtRunner(tmp_path / "none.plan")
+        R.TrtRunner(tmp_path / "none.plan")
     assert "none.plan" in one_line(ei.value)
 
 
@@ -527,9 +528,9 @@ def test_runner_time(trt, runner):
 
 def test_torch_dtype_without_equivalent():
     trt = fake_trt(11)
-    assert T.torch_dtype(trt, trt.DataType.BF16) is torch.bfloat16
+    assert R.torch_dtype(trt, trt.DataType.BF16) is torch.bfloat16
     with pytest.raises(WMError) as ei:
-        T.torch_dtype(trt, trt.DataType.INT4)
+        R.torch_dtype(trt, trt.DataType.INT4)
     assert "INT4" in one_line(ei.value)
 
 
@@ -608,7 +609,7 @@ FEED = {"occ": np.array([[1, 1, 2], [1, 3, 1]], np.uint8), "x": np.array([[0.5, 
 def test_deploy_without_tensorrt_prints_why_and_trtexec(monkeypatch, runnable_onnx):
     monkeypatch.setitem(sys.modules, "tensorrt", None)
     lines = []
-    res = T.deploy({"forecaster": runnable_onnx}, {"forecaster": FEED}, max_batch=8, log=lines.append)
+    res = R.deploy({"forecaster": runnable_onnx}, {"forecaster": FEED}, max_batch=8, log=lines.append)
     engine = runnable_onnx.with_suffix(".engine")
     want = (f"trtexec --onnx={runnable_onnx} --saveEngine={engine} --stronglyTyped "
             "--minShapes=occ:1x3,x:1x2 --optShapes=occ:1x3,x:1x2 --maxShapes=occ:8x3,x:8x2")
@@ -620,7 +621,7 @@ def test_deploy_without_tensorrt_prints_why_and_trtexec(monkeypatch, runnable_on
 
 def test_deploy_builds_runs_compares_by_name_and_times(trt, runnable_onnx):
     lines = []
-    res = T.deploy({"forecaster": runnable_onnx}, {"forecaster": FEED}, max_batch=8, opt_batch=2,
+    res = R.deploy({"forecaster": runnable_onnx}, {"forecaster": FEED}, max_batch=8, opt_batch=2,
                    log=lines.append, timing_iters=3)
     g = res["graphs"]["forecaster"]
     engine = runnable_onnx.with_suffix(".engine")

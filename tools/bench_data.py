@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from wm.config import DataConfig  # noqa: E402
 from wm.data import OccWindows, relative_motion  # noqa: E402
 from wm.errors import run_cli  # noqa: E402
-from wm.shards import COMPRESSIONS, DEFAULT_COMPRESSION, Manifest, ShardWriter  # noqa: E402
+from wm.shard_writer import ShardWriter  # noqa: E402
+from wm.shards import COMPRESSIONS, DEFAULT_COMPRESSION, Manifest  # noqa: E402
 from wm.synthetic import dataset_info, make_scene  # noqa: E402
 
 

@@ -91,7 +91,8 @@ import wm.stages as S  # noqa: E402
 import wm.train as T  # noqa: E402
 import wm.wrappers as W  # noqa: E402
 from wm import distributed as D  # noqa: E402
-from wm.checkpoint import Checkpointer, latest_checkpoint, rng_state  # noqa: E402
+from wm.checkpoint import latest_checkpoint, rng_state  # noqa: E402
+from wm.checkpointer import Checkpointer  # noqa: E402
 from wm.config import load as load_config, model_options, to_dict  # noqa: E402
 from wm.errors import WMError, run_cli  # noqa: E402
 from wm.run import Run  # noqa: E402

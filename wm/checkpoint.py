@@ -1,4 +1,5 @@
-"""Atomic, rotating, asynchronous checkpoints and the exact-resume state helpers (docs/ARCHITECTURE.md, Invariants).
+"""Checkpoint files: their layout, writing one file with its checksum, reading and checking them, and
+the exact-resume state helpers (docs/ARCHITECTURE.md, Invariants). wm/checkpointer.py saves them.
 
 Layout of a checkpoints folder (``runs/<name>/<stage>/checkpoints/``)::
 
@@ -13,35 +14,6 @@ Layout of a checkpoints folder (``runs/<name>/<stage>/checkpoints/``)::
                               best.pt's checksum record
     .step_000003000.pt.tmp-<pid>   a write in progress (or left by a killed process; removed on start)
 
-Every file is written to a ``.<name>.tmp-<pid>`` file in the same folder, flushed, fsynced,
-``os.replace``-d onto its name, and the folder is fsynced; so a name holds the old file or the
-complete new one. The save of step N makes these renames, in this order (the done.json of a stage
-is written by the loop after the stage's last save has finished: ``Checkpointer.close``):
-
-    1. step_N.pt             the state
-    2. best.pt               only if step N is a new best (a hard link of step_N.pt, renamed on)
-    3. best.json             only if step N is a new best: best.pt's checksum, metric and value
-    4. step_N.pt.sha256      commits step N: from here on it counts as a valid checkpoint
-    5. latest                the pointer (the fast path to the newest checkpoint)
-    6. rotation              step files beyond `keep_last` (the file, then its .sha256)
-    (loop) done.json         the stage is finished: only after the last save's step 5 is on disk
-
-Why no kill at any instant loses best, latest or a finished stage:
-
-- before 4, step N does not count (no checksum file), so a restart resumes from step N-1 and
-  replays step N. A best update that began (2, 3) is redone by the replay with the same value, or,
-  if 3 had already happened, best.json already says N and best.pt holds N. Between 2 and 3 best.pt
-  (new) fails its check against best.json (old) and readers fall back to the newest valid step
-  file until the replay rewrites both. So best is never behind a committed step: the bug of
-  updating `latest` first (a resume from step N with best.json still at an older step, then a
-  worse step taking best.pt) cannot happen.
-- between 4 and 5 step N is valid and `latest` names N-1: a restart resumes from N-1 (the pointer)
-  and replays step N to the same bytes.
-- rotation deletes only files older than the newest `keep_last`, after 5; best.pt is its own link.
-- done.json is renamed on only after every save of the stage is on disk, so a finished stage is
-  never marked before its last checkpoint and best exist; a kill before it makes the rerun resume
-  at the last step and write it then.
-
 Integrity: every load checks the file against its record (the .sha256 file of a step file;
 best.json for best.pt); a file with no record (a checkpoint copied elsewhere) is checked against its
 zip's own CRC-32 of every record. :func:`load_checked` is the one way to load a checkpoint file (a step file must also
@@ -50,31 +22,18 @@ belongs where it is loaded); :func:`newest_valid` finds the newest one that pass
 naming each one it skips with the reason. Nothing is ever loaded
 with anything but ``weights_only=True``, and no message suggests otherwise.
 
-- A failed save leaves no new file under a checkpoint name and no temp file, keeps every previous
-  checkpoint and the pointer, and raises :class:`CheckpointError` (one line).
-- :meth:`Checkpointer.save` copies every tensor to CPU (a real copy, never an alias of live
-  parameters) before returning, then writes in a background thread; the next ``save``/``wait``/
-  ``close`` waits for it and re-raises its failure.
-
-The class knows nothing of distributed training: the loop calls it on rank 0 only (every rank
-may call :func:`newest_valid` / :func:`load` to resume).
+Every rank may call :func:`newest_valid` / :func:`load` to resume.
 """
 
 from __future__ import annotations
 
 import collections
-import errno
 import hashlib
 import json
-import math
 import os
 import pickle
 import random
 import re
-import shutil
-import threading
-import time
-import warnings
 import zipfile
 from pathlib import Path
 from typing import Any, Callable
@@ -82,12 +41,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from wm.atomic import clean_temps, discard, fsync_dir, publish, tmp_path, write_atomic, write_bytes
-from wm.errors import ConfigError, WMError, first_line
+from wm.atomic import write_atomic, write_bytes
+from wm.errors import WMError, first_line
 
 __all__ = [
     "CheckpointError",
-    "Checkpointer",
     "load",
     "load_checked",
     "newest_valid",
@@ -122,7 +80,7 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:09d}.pt"
 
 
-def _step_of(name: str) -> int | None:
+def step_of(name: str) -> int | None:
     m = _STEP_RE.match(name)
     return int(m.group(1)) if m else None
 
@@ -168,7 +126,7 @@ def write_hashed(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
     return done[0].size, done[0].sha.hexdigest()
 
 
-def _write_json_atomic(path: Path, obj: dict) -> None:
+def write_json_atomic(path: Path, obj: dict) -> None:
     write_bytes(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
@@ -181,7 +139,7 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _read_json(path: Path) -> dict | None:
+def read_json(path: Path) -> dict | None:
     try:
         d = json.loads(path.read_text())
     except (OSError, ValueError, UnicodeDecodeError):
@@ -303,15 +261,15 @@ def list_checkpoints(folder: str | os.PathLike) -> list[Path]:
         names = os.listdir(folder)
     except FileNotFoundError:
         return []
-    found = [(s, n) for n in names if (s := _step_of(n)) is not None]
+    found = [(s, n) for n in names if (s := step_of(n)) is not None]
     return [folder / n for s, n in sorted(found)]
 
 
 def _previous_of(path: Path) -> Path | None:
     """The newest step file of path's folder older than `path` (by step), if any."""
-    step = _step_of(path.name)
+    step = step_of(path.name)
     older = [p for p in list_checkpoints(path.parent)
-             if p.name != path.name and (step is None or _step_of(p.name) < step)]
+             if p.name != path.name and (step is None or step_of(p.name) < step)]
     return older[-1] if older else None
 
 
@@ -326,8 +284,8 @@ def _loads_quickly(path: Path) -> bool:
 
 
 def _pointer_target(folder: Path) -> Path | None:
-    d = _read_json(folder / POINTER)
-    if d is None or not isinstance(d.get("file"), str) or _step_of(d["file"]) is None:
+    d = read_json(folder / POINTER)
+    if d is None or not isinstance(d.get("file"), str) or step_of(d["file"]) is None:
         return None
     p = folder / d["file"]
     try:
@@ -354,19 +312,19 @@ def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
     return None
 
 
-def _sums_file(path: Path) -> Path:
+def sums_file(path: Path) -> Path:
     return path.with_name(path.name + SUMS)
 
 
-def _write_sums(path: Path, sha: str) -> None:
+def write_sums(path: Path, sha: str) -> None:
     """step_N.pt.sha256 in sha256sum's format (`sha256sum -c step_N.pt.sha256` checks it by hand)."""
-    write_bytes(_sums_file(path), f"{sha}  {path.name}\n")
+    write_bytes(sums_file(path), f"{sha}  {path.name}\n")
 
 
 def _record(path: Path) -> tuple[str | None, str] | None:
     """(sha256 or None if the record is damaged, where it is recorded) for `path`, or None if no
     record names it: its .sha256 file, or best.json for best.pt."""
-    sums = _sums_file(path)
+    sums = sums_file(path)
     if sums.exists():
         try:
             parts = sums.read_text().split()
@@ -375,7 +333,7 @@ def _record(path: Path) -> tuple[str | None, str] | None:
         ok = len(parts) >= 2 and parts[1].lstrip("*") == path.name and re.fullmatch(r"[0-9a-f]{64}", parts[0])
         return (parts[0] if ok else None), sums.name
     if path.name == BEST:
-        d = _read_json(path.parent / BEST_JSON)
+        d = read_json(path.parent / BEST_JSON)
         if d is not None or (path.parent / BEST_JSON).exists():
             sha = d.get("sha256") if d else None
             return (sha if isinstance(sha, str) else None), BEST_JSON
@@ -439,7 +397,7 @@ def load_checked(path: str | os.PathLike, map_location: Any = "cpu",
     path = Path(path)
     verify(path)
     st = _load(path, map_location)
-    n, got = _step_of(path.name), st.get("step") if isinstance(st, dict) else None
+    n, got = step_of(path.name), st.get("step") if isinstance(st, dict) else None
     why = (f"holds step {got!r:.20}, not the step {n} its name says" if n is not None and isinstance(st, dict)
            and "step" in st and got != n else None) or (check(path, st) if check else None)
     if why:
@@ -470,8 +428,8 @@ def _committed(folder: Path) -> list[Path]:
     yet (the first save killed between its rename and its .sha256), every step file: each was
     renamed into place whole, and is checked against its zip's CRC-32s."""
     files = list_checkpoints(folder)
-    first = not any(_sums_file(p).exists() for p in files)
-    return [p for p in reversed(files) if first or _sums_file(p).exists()]
+    first = not any(sums_file(p).exists() for p in files)
+    return [p for p in reversed(files) if first or sums_file(p).exists()]
 
 
 def newest_valid(folder: str | os.PathLike, map_location: Any = "cpu", say: Callable[[str], Any] = print,
@@ -506,221 +464,3 @@ def newest_valid(folder: str | os.PathLike, map_location: Any = "cpu", say: Call
     raise CheckpointError(f"no valid checkpoint in {folder}: {'; '.join(why[:3])}"
                           f"{f' (and {len(why) - 3} more)' if len(why) > 3 else ''}; restore a copy of the "
                           "folder, or start over with --fresh (the folder is moved aside, not deleted)")
-
-
-# --------------------------------------------------------------------------------------------------
-# The writer
-
-
-class Checkpointer:
-    """Saves checkpoints of one run into `folder`. Use it on rank 0 only: it knows nothing of DDP.
-
-    - ``keep_last`` (>= 2): how many `step_*.pt` files to keep; the new one is saved first, then the
-      oldest beyond it are deleted.
-    - ``best_metric`` / ``best_mode`` ("max" or "min"): when a save's `metrics` carry a better value,
-      ``best.pt`` (a hard link to the step file) and ``best.json`` are replaced atomically.
-    - ``async_save``: write in a background thread (default) or before `save` returns.
-
-    After each save, ``last_blocked_s`` is how long `save` held the caller (waiting for the previous
-    write + the CPU copy); ``last_write_s`` is how long the latest finished write took (valid after
-    `wait()`, or after the next `save` has returned); ``last_path`` is the latest complete file.
-    Stale temp files of a killed writer are removed when the Checkpointer is built.
-    """
-
-    def __init__(self, folder: str | os.PathLike, keep_last: int = 3, best_metric: str | None = None,
-                 best_mode: str = "max", async_save: bool = True):
-        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 2:
-            raise ConfigError("keep_last", f"must be an int >= 2 (a checkpoint is deleted only once a "
-                                           f"newer one exists), got {keep_last!r}")
-        if best_mode not in ("max", "min"):
-            raise ConfigError("best_mode", f"must be 'max' or 'min', got {best_mode!r}")
-        self.folder = Path(folder)
-        self.keep_last, self.best_metric, self.best_mode = keep_last, best_metric, best_mode
-        self.async_save = bool(async_save)
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(f"cannot create checkpoint folder {self.folder}: {first_line(e)}") from e
-        clean_temps(self.folder)
-        for f in self.folder.glob("step_*.pt" + SUMS):  # left by a rotation killed half-way
-            if not f.with_name(f.name[: -len(SUMS)]).exists():
-                discard(f)
-        self.best_value: float | None = None
-        self.best_step: int | None = None
-        b = _read_json(self.folder / BEST_JSON)
-        if (best_metric is not None and b is not None and b.get("metric") == best_metric
-                and b.get("mode") == best_mode and isinstance(b.get("value"), (int, float))
-                and (self.folder / BEST).is_file()):
-            self.best_value, self.best_step = float(b["value"]), b.get("step")
-        self.last_blocked_s = 0.0
-        self.last_write_s = 0.0
-        self.last_path: Path | None = None
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._closed = False
-
-    # -- public ------------------------------------------------------------------------------------
-
-    def save(self, state: dict, step: int, metrics: dict | None = None) -> None:
-        """Save `state` as ``step_{step:09d}.pt``. Waits for the previous save (re-raising its
-        failure), copies every tensor to CPU, then writes in the background (or now, if not async)."""
-        t0 = time.perf_counter()
-        if self._closed:
-            raise RuntimeError("Checkpointer.save() after close()")
-        name = checkpoint_name(step)
-        self.wait()
-        cpu_state = to_cpu(state, copy=self.async_save)
-        value = self._metric_value(metrics)
-        if self.async_save:
-            self._thread = threading.Thread(target=self._run, args=(cpu_state, step, name, value),
-                                            name=f"checkpoint-{name}", daemon=False)
-            self._thread.start()
-            self.last_blocked_s = time.perf_counter() - t0
-        else:
-            self._run(cpu_state, step, name, value)
-            self.last_blocked_s = time.perf_counter() - t0
-            self._raise_pending()
-
-    def wait(self) -> None:
-        """Block until the write in progress is done; re-raise its failure (once)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self._raise_pending()
-
-    def close(self) -> None:
-        """Wait for the last write (re-raising its failure); further saves are refused."""
-        self._closed = True
-        self.wait()
-
-    def latest(self) -> Path | None:
-        """The newest complete checkpoint on disk (a write still in progress is not counted)."""
-        return latest_checkpoint(self.folder)
-
-    def list(self) -> list[Path]:
-        """The `step_*.pt` files, oldest step first."""
-        return list_checkpoints(self.folder)
-
-    def __enter__(self) -> "Checkpointer":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:  # do not hide the original exception behind a save failure
-            self._closed = True
-            try:
-                self.wait()
-            except Exception:
-                pass
-
-    # -- internals ---------------------------------------------------------------------------------
-
-    def _raise_pending(self) -> None:
-        err, self._error = self._error, None
-        if err is not None:
-            raise err
-
-    def _metric_value(self, metrics: dict | None) -> float | None:
-        if self.best_metric is None or not metrics or self.best_metric not in metrics:
-            return None
-        v = metrics[self.best_metric]
-        try:
-            v = float(v.item() if isinstance(v, torch.Tensor) else v)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"metric {self.best_metric!r} = {v!r} is not a number") from e
-        return v if math.isfinite(v) else None
-
-    def _better(self, v: float | None) -> bool:
-        if v is None:
-            return False
-        if self.best_value is None:
-            return True
-        return v > self.best_value if self.best_mode == "max" else v < self.best_value
-
-    def _run(self, state: dict, step: int, name: str, value: float | None) -> None:
-        try:
-            self._write(state, step, name, value)
-        except BaseException as e:  # surfaces at the next save()/wait()/close()
-            self._error = e
-
-    def _write(self, state: dict, step: int, name: str, value: float | None) -> None:
-        t0 = time.perf_counter()
-        path = self.folder / name
-        try:
-            prev = self.latest()
-        except OSError:
-            prev = None
-        intact = (f"the previous checkpoint {prev.name} and the pointer are intact" if prev else
-                  f"no earlier checkpoint in {self.folder}")
-        try:
-            size, sha = write_hashed(path, lambda f: torch.save(state, f))  # 1
-        except OSError as e:
-            raise CheckpointError(f"cannot write checkpoint {path}: {first_line(e)}; nothing was "
-                                  f"saved under that name, {intact}") from e
-        if self._better(value):  # 2, 3: before step N counts, so best is never behind it
-            try:
-                self._update_best(path, step, value, size, sha)
-            except CheckpointError:
-                discard(path)
-                raise
-        target = self.folder / POINTER
-        try:
-            target = _sums_file(path)
-            _write_sums(path, sha)  # 4: step N counts from here
-            target = self.folder / POINTER
-            _write_json_atomic(target, {"file": name, "step": step, "size": size, "sha256": sha})  # 5
-        except OSError as e:
-            discard(path)  # a failed save leaves nothing under a checkpoint name
-            discard(_sums_file(path))
-            raise CheckpointError(f"cannot write checkpoint record {target}: "
-                                  f"{first_line(e)}; {name} was removed, {intact}") from e
-        self.last_path = path
-        self._rotate(keep=path)  # 6
-        self.last_write_s = time.perf_counter() - t0
-
-    def _update_best(self, path: Path, step: int, value: float, size: int, sha: str) -> None:
-        best = self.folder / BEST
-        tmp = tmp_path(best)
-        try:
-            discard(tmp)
-            try:
-                os.link(path, tmp)  # no copy; deleting the step file later leaves best.pt intact
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
-                    raise
-                _copy(path, tmp)  # file system without hard links
-            publish(tmp, best)
-            _write_json_atomic(self.folder / BEST_JSON, {
-                "source": path.name, "step": step, "metric": self.best_metric,
-                "mode": self.best_mode, "value": value, "size": size, "sha256": sha})
-        except OSError as e:
-            discard(tmp)
-            held = f"step {self.best_step}" if self.best_step is not None else "the previous best"
-            raise CheckpointError(f"cannot update {best} for {path.name}: {first_line(e)}; {path.name} "
-                                  f"was removed, {best} still holds {held}") from e
-        self.best_value, self.best_step = value, step
-
-    def _rotate(self, keep: Path) -> None:
-        others = [p for p in self.list() if p.name != keep.name]
-        doomed = others[: max(0, len(others) - (self.keep_last - 1))]
-        for p in doomed:
-            for f in (p, _sums_file(p)):  # the file first: a lone .sha256 is harmless
-                try:
-                    os.unlink(f)
-                except FileNotFoundError:
-                    pass
-                except OSError as e:
-                    warnings.warn(f"cannot delete old checkpoint {f}: {first_line(e)}", stacklevel=2)
-        if doomed:
-            try:
-                fsync_dir(self.folder)
-            except OSError:
-                pass
-
-
-def _copy(src: Path, tmp: Path) -> None:
-    with open(src, "rb") as fi, open(tmp, "wb") as fo:
-        shutil.copyfileobj(fi, fo, 16 << 20)
-        fo.flush()
-        os.fsync(fo.fileno())

@@ -41,8 +41,8 @@ from wm import convert_frames, convert_occ3d, runlock
 from wm.atomic import clean_temps, write_bytes
 from wm.convert_scene import SceneSpec
 from wm.errors import DataError, first_line
-from wm.shards import COMPRESSIONS, DEFAULT_COMPRESSION, MANIFEST, SUFFIX, DatasetInfo, Manifest, ShardWriter, \
-    shard_sha256, verify
+from wm.shard_writer import ShardWriter
+from wm.shards import COMPRESSIONS, DEFAULT_COMPRESSION, MANIFEST, SUFFIX, DatasetInfo, Manifest, shard_sha256, verify
 
 CONVERSION = "conversion.json"
 SKIPPED = "skipped.json"

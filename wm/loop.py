@@ -26,7 +26,8 @@ from torch import nn
 
 from wm import distributed as D
 from wm.atomic import require_space, write_bytes
-from wm.checkpoint import Checkpointer, load_checked, newest_valid, rng_state, set_rng_state
+from wm.checkpoint import load_checked, newest_valid, rng_state, set_rng_state
+from wm.checkpointer import Checkpointer
 from wm.ckpt_checks import all_finite, checker, checkpoint_bytes, first_nonfinite, shapes
 from wm.config import Config, StageConfig, stage_batch, to_dict
 from wm.data import ResumableSampler, make_loader, start_workers

@@ -48,7 +48,8 @@ import numpy as np
 from wm import synthetic_blocks
 from wm.atomic import tmp_path
 from wm.errors import DataError
-from wm.shards import DEFAULT_COMPRESSION, DatasetInfo, Manifest, ShardWriter, load_manifest
+from wm.shard_writer import ShardWriter
+from wm.shards import DEFAULT_COMPRESSION, DatasetInfo, Manifest, load_manifest
 from wm.synthetic_road import C, DT, FREE, LANE, ROAD_HALF, SIZES, WALK, ego_lane, scene_record
 
 RANGE = (-40.0, -40.0, -1.0, 40.0, 40.0, 5.4)

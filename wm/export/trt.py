@@ -1,4 +1,5 @@
-"""TensorRT engines from our Q/DQ ONNX: build, save, run with torch CUDA tensors (docs/ARCHITECTURE.md, Export).
+"""TensorRT engines from our Q/DQ ONNX: build and save them (docs/ARCHITECTURE.md, Export); running
+them and export.py's TensorRT step: wm/export/trt_run.py.
 
 `tensorrt` is imported lazily, inside the functions, so that this module (and ``export.py``) loads
 where TensorRT is absent; :func:`available` says whether it can be used here and, if not, why, and
@@ -23,11 +24,6 @@ Written against the TensorRT 10.x and 11.x Python APIs:
   cache (``read_calibration_cache`` returns its bytes, ``get_batch`` returns ``None``). 10.1 deprecated
   all of this; 11.x removed ``BuilderFlag.INT8``/``FP16``, ``IBuilderConfig.int8_calibrator`` and the
   calibrator classes, so on 11.x it is refused with one line before any of them is touched.
-- Running: ``Runtime.deserialize_cuda_engine``, the name-based I/O API (``num_io_tensors``,
-  ``get_tensor_name``, ``get_tensor_mode``, ``get_tensor_dtype``), ``context.set_input_shape``,
-  ``context.get_tensor_shape``, ``context.set_tensor_address`` and
-  ``context.execute_async_v3(torch.cuda.current_stream().cuda_stream)``. Buffers are torch tensors:
-  torch owns the CUDA context (pycuda's own context clashes with it).
 
 Every failure a user can cause is a :class:`wm.errors.WMError` with one line that names the file
 and carries TensorRT's own parser/builder messages.
@@ -39,7 +35,7 @@ import re
 import shlex
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from wm.atomic import write_bytes
 from wm.errors import WMError
@@ -48,10 +44,8 @@ __all__ = [
     "TrtError",
     "available",
     "build_engine",
-    "TrtRunner",
     "trtexec_command",
     "onnx_profile_shapes",
-    "torch_dtype",
 ]
 
 
@@ -67,7 +61,7 @@ def _one_line(s: str) -> str:
 # import, version, CUDA
 
 
-def _import_trt():
+def import_trt():
     """`import tensorrt`, or a TrtError that says why not."""
     try:
         import tensorrt as trt  # noqa: PLC0415 (lazy on purpose)
@@ -77,12 +71,12 @@ def _import_trt():
     return trt
 
 
-def _version(trt) -> str:
+def trt_version(trt) -> str:
     return str(getattr(trt, "__version__", "unknown"))
 
 
 def _major(trt) -> int:
-    m = re.match(r"\s*(\d+)", _version(trt))
+    m = re.match(r"\s*(\d+)", trt_version(trt))
     return int(m.group(1)) if m else 0
 
 
@@ -99,10 +93,10 @@ def available() -> tuple[bool, str]:
     """(True, "TensorRT <ver> on <gpu>") where an engine can be built and run here, else
     (False, one line saying why: TensorRT missing, too old, or no CUDA device)."""
     try:
-        trt = _import_trt()
+        trt = import_trt()
     except TrtError as e:
         return False, str(e)
-    ver, major = _version(trt), _major(trt)
+    ver, major = trt_version(trt), _major(trt)
     if major < 10:
         return False, f"TensorRT {ver} is too old: this code is written for TensorRT 10.x and 11.x"
     try:
@@ -118,7 +112,7 @@ def available() -> tuple[bool, str]:
 # logger that keeps TensorRT's messages (a failed build returns None; the reason is only logged)
 
 
-def _make_logger(trt, echo_warnings: bool = False):
+def make_logger(trt, echo_warnings: bool = False):
     """An `ILogger` subclass that records every message at WARNING or worse; `errors()` gives the
     ERROR / INTERNAL_ERROR ones for our one-line failures."""
     sev = trt.ILogger.Severity
@@ -143,7 +137,7 @@ def _make_logger(trt, echo_warnings: bool = False):
     return _Logger()
 
 
-def _tail(msgs: Sequence[str], n: int = 3) -> str:
+def messages_tail(msgs: Sequence[str], n: int = 3) -> str:
     msgs = [m for m in msgs if m]
     if not msgs:
         return "TensorRT gave no error message"
@@ -317,8 +311,8 @@ def build_engine(onnx_path, engine_path, *, min_batch: int, opt_batch: int, max_
     if not onnx_path.is_file():
         raise TrtError(f"ONNX model {onnx_path} does not exist")
 
-    trt = _import_trt()
-    ver, major = _version(trt), _major(trt)
+    trt = import_trt()
+    ver, major = trt_version(trt), _major(trt)
     if major < 10:
         raise TrtError(f"TensorRT {ver} is too old: this code is written for TensorRT 10.x and 11.x")
     weak = implicit_int8 or not strongly_typed
@@ -345,12 +339,12 @@ def build_engine(onnx_path, engine_path, *, min_batch: int, opt_batch: int, max_
     if not ok:
         raise TrtError(f"cannot build {engine_path}: {why}")
 
-    logger = _make_logger(trt, echo_warnings=verbose)
+    logger = make_logger(trt, echo_warnings=verbose)
     try:
         builder = trt.Builder(logger)
     except Exception as e:
         raise TrtError(f"TensorRT {ver} could not create a builder: {_one_line(e)}; "
-                       f"{_tail(logger.errors())}") from None
+                       f"{messages_tail(logger.errors())}") from None
 
     flags = 0
     if not weak:
@@ -366,7 +360,7 @@ def build_engine(onnx_path, engine_path, *, min_batch: int, opt_batch: int, max_
     # parse_from_file (not parse(bytes)) so weights stored next to the model as external data load
     if not parser.parse_from_file(str(onnx_path)):
         msgs = _parser_errors(parser) or logger.errors()
-        raise TrtError(f"TensorRT {ver} could not parse {onnx_path}: {_tail(msgs)}")
+        raise TrtError(f"TensorRT {ver} could not parse {onnx_path}: {messages_tail(msgs)}")
 
     inputs = _network_inputs(network)
     if not inputs:
@@ -399,14 +393,14 @@ def build_engine(onnx_path, engine_path, *, min_batch: int, opt_batch: int, max_
         serialized = builder.build_serialized_network(network, config)
     except Exception as e:  # the bindings raise on some failures instead of returning None
         raise TrtError(f"TensorRT {ver} failed to build an engine from {onnx_path}: "
-                       f"{_one_line(e)}; {_tail(logger.errors())}") from None
+                       f"{_one_line(e)}; {messages_tail(logger.errors())}") from None
     build_s = time.perf_counter() - t0
     if serialized is None:
         raise TrtError(f"TensorRT {ver} could not build an engine from {onnx_path}: "
-                       f"{_tail(logger.errors())}")
+                       f"{messages_tail(logger.errors())}")
     if memoryview(serialized).nbytes == 0:
         raise TrtError(f"TensorRT {ver} returned an empty engine for {onnx_path}: "
-                       f"{_tail(logger.errors())}")
+                       f"{messages_tail(logger.errors())}")
     nbytes = _write_atomic(engine_path, serialized)
     return {
         "tensorrt": ver,
@@ -425,152 +419,6 @@ def build_engine(onnx_path, engine_path, *, min_batch: int, opt_batch: int, max_
         "profile": {n: [list(s) for s in v] for n, v in shapes.items()},
         "warnings": len(logger.messages) - len(logger.errors()),
     }
-
-
-# ---------------------------------------------------------------------------------------------
-# run
-
-
-def torch_dtype(trt, dt):
-    """The torch dtype for a `trt.DataType` (FLOAT, HALF, BF16, INT8, INT32, INT64, BOOL, UINT8, FP8
-    where the installed TensorRT and torch have them); TrtError for types torch cannot hold."""
-    import torch
-
-    table = (
-        ("FLOAT", torch.float32),
-        ("HALF", torch.float16),
-        ("BF16", torch.bfloat16),
-        ("INT8", torch.int8),
-        ("INT32", torch.int32),
-        ("INT64", torch.int64),
-        ("BOOL", torch.bool),
-        ("UINT8", torch.uint8),
-        ("FP8", getattr(torch, "float8_e4m3fn", None)),  # TensorRT FP8 is E4M3
-    )
-    for name, tdt in table:
-        member = getattr(trt.DataType, name, None)
-        if member is not None and tdt is not None and dt == member:
-            return tdt
-    raise TrtError(f"TensorRT data type {dt} has no torch equivalent (INT4/FP4 I/O is not supported)")
-
-
-def _device():
-    """The CUDA device the engine runs on. (Tests replace this.)"""
-    import torch
-
-    if not torch.cuda.is_available():
-        raise TrtError("TensorRT needs a CUDA device and torch sees none")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def _stream(device) -> tuple[int, Callable[[], None]]:
-    """(handle for execute_async_v3, wait-for-it) on torch's current stream. (Tests replace this.)"""
-    import torch
-
-    s = torch.cuda.current_stream(device)
-    return int(s.cuda_stream), s.synchronize
-
-
-class TrtRunner:
-    """Run a serialized engine with torch tensors as its buffers.
-
-    ``runner(**inputs)`` -> {output name: tensor}; inputs go to the engine's device and dtypes, shapes
-    are set per call (dynamic batch within the engine's profile), outputs are fresh torch tensors.
-    """
-
-    def __init__(self, engine_path, *, verbose: bool = False):
-        self.path = Path(engine_path)
-        trt = self._trt = _import_trt()
-        self.version = _version(trt)
-        try:
-            blob = self.path.read_bytes()
-        except OSError as e:
-            raise TrtError(f"cannot read the engine {self.path}: {e.strerror or e}") from None
-        self.device = _device()
-        self._logger = _make_logger(trt, echo_warnings=verbose)
-        self._runtime = trt.Runtime(self._logger)
-        self.engine = self._runtime.deserialize_cuda_engine(blob)
-        if self.engine is None:
-            raise TrtError(f"TensorRT {self.version} could not load the engine {self.path} (built by "
-                           f"another TensorRT version or for another GPU?): {_tail(self._logger.errors())}")
-        self.context = self.engine.create_execution_context()
-        if self.context is None:
-            raise TrtError(f"TensorRT {self.version} could not create an execution context for "
-                           f"{self.path}: {_tail(self._logger.errors())}")
-        self.inputs: list[str] = []
-        self.outputs: list[str] = []
-        self.dtypes: dict[str, Any] = {}
-        for i in range(int(self.engine.num_io_tensors)):
-            name = self.engine.get_tensor_name(i)
-            mode = self.engine.get_tensor_mode(name)
-            self.dtypes[name] = torch_dtype(trt, self.engine.get_tensor_dtype(name))
-            if mode == trt.TensorIOMode.INPUT:
-                self.inputs.append(name)
-            elif mode == trt.TensorIOMode.OUTPUT:
-                self.outputs.append(name)
-
-    def _launch(self, inputs: Mapping[str, Any]):
-        """Bind and enqueue; returns (outputs, keep-alive inputs, wait). Caller must wait()."""
-        import torch
-
-        missing = [n for n in self.inputs if n not in inputs]
-        extra = [n for n in inputs if n not in self.inputs]
-        if missing or extra:
-            raise TrtError(f"engine {self.path} takes inputs {self.inputs}; missing {missing}, "
-                           f"unexpected {extra}")
-        ctx = self.context
-        bound = []
-        for name in self.inputs:
-            t = inputs[name]
-            if not isinstance(t, torch.Tensor):
-                raise TrtError(f"input '{name}' of engine {self.path} must be a torch.Tensor, "
-                               f"got {type(t).__name__}")
-            t = t.to(device=self.device, dtype=self.dtypes[name]).contiguous()
-            if not ctx.set_input_shape(name, tuple(t.shape)):
-                raise TrtError(f"input '{name}' shape {list(t.shape)} is outside the optimization "
-                               f"profile of engine {self.path}: {_tail(self._logger.errors())}")
-            ctx.set_tensor_address(name, t.data_ptr())
-            bound.append(t)
-        outs = {}
-        for name in self.outputs:
-            shape = tuple(int(d) for d in ctx.get_tensor_shape(name))
-            if any(d < 0 for d in shape):
-                raise TrtError(f"output '{name}' of engine {self.path} has a data-dependent shape "
-                               f"{list(shape)}, which this runner does not support")
-            out = torch.empty(shape, dtype=self.dtypes[name], device=self.device)
-            ctx.set_tensor_address(name, out.data_ptr())
-            outs[name] = out
-        handle, wait = _stream(self.device)
-        if not ctx.execute_async_v3(handle):
-            raise TrtError(f"TensorRT {self.version} failed to run engine {self.path}: "
-                           f"{_tail(self._logger.errors())}")
-        return outs, bound, wait
-
-    def __call__(self, **inputs) -> dict:
-        outs, bound, wait = self._launch(inputs)
-        wait()
-        del bound  # inputs stay alive until the engine is done with them
-        return outs
-
-    def time(self, inputs: Mapping[str, Any], iters: int = 50, warmup: int = 5) -> float:
-        """Mean milliseconds per run over `iters` back-to-back runs on the current stream (after
-        `warmup` runs); the host->device copy of the inputs is done once, outside the timing."""
-        if iters < 1:
-            raise TrtError(f"iters must be >= 1, got {iters}")
-        staged = {n: t.to(device=self.device, dtype=self.dtypes.get(n, t.dtype)).contiguous()
-                  for n, t in inputs.items()}
-        keep = []
-        for _ in range(max(0, warmup)):
-            keep.append(self._launch(staged))
-        if keep:
-            keep[-1][2]()
-        keep.clear()
-        t0 = time.perf_counter()
-        last = None
-        for _ in range(iters):
-            last = self._launch(staged)
-        last[2]()
-        return (time.perf_counter() - t0) * 1000.0 / iters
 
 
 # ---------------------------------------------------------------------------------------------
@@ -631,74 +479,3 @@ def onnx_profile_shapes(onnx_path, min_batch: int, opt_batch: int, max_batch: in
         shape = [int(d.dim_value) if d.HasField("dim_value") else -1 for d in vi.type.tensor_type.shape.dim]
         inputs.append((vi.name, tuple(shape)))
     return _profile_shapes(inputs, onnx_path, min_batch, opt_batch, max_batch, dims)
-
-
-# ---------------------------------------------------------------------------------------------
-# export.py's TensorRT step: build, compare with onnxruntime, time; or say what to run elsewhere
-
-
-def _agreement(got, ref) -> dict:
-    """Integer outputs (classes, codes): fraction equal. Float outputs: max |difference|."""
-    import numpy as np
-
-    got, ref = np.asarray(got), np.asarray(ref)
-    if got.shape != ref.shape:
-        return {"agreement": 0.0, "shape": list(got.shape), "expected_shape": list(ref.shape)}
-    if ref.dtype.kind in "iub":
-        return {"agreement": float((got.astype(np.int64) == ref.astype(np.int64)).mean())}
-    return {"max_abs_diff": float(np.abs(got.astype(np.float64) - ref.astype(np.float64)).max())}
-
-
-def deploy(onnx_files: Mapping[str, Path], feeds: Mapping[str, Mapping[str, Any]], *, max_batch: int,
-           opt_batch: int = 1, log: Callable[[str], None] = print, timing_iters: int = 50,
-           dims: Mapping[str, Sequence[int]] | None = None) -> dict:
-    """`export.py`'s TensorRT step for each `{graph name: ONNX file}` (the Q/DQ ONNX for INT8).
-
-    Where TensorRT and a GPU are here: build a strongly typed engine `<file stem>.engine` next to the
-    ONNX (batch profile 1 / `opt_batch` / `max_batch`), run it on `feeds[name]` (numpy arrays, as
-    onnxruntime takes them) with torch CUDA tensors as buffers, compare every output with
-    onnxruntime running the same ONNX, and time it at batch 1 and at the feed's batch. Otherwise log
-    one line saying why and the `trtexec` line of each graph for the target machine. Returns a
-    JSON-ready dict; a build or run that fails raises TrtError (one line)."""
-    import numpy as np
-    import torch
-
-    ok, why = available()
-    res: dict[str, Any] = {"available": ok, "why": why, "graphs": {}}
-    if not ok:
-        log(f"TensorRT engines not built: {why}. On the target machine run:")
-        for name, path in onnx_files.items():
-            engine = Path(path).with_suffix(".engine")
-            cmd = trtexec_command(path, engine, onnx_profile_shapes(path, 1, opt_batch, max_batch, dims))
-            res["graphs"][name] = {"onnx": Path(path).name, "trtexec": cmd}
-            log(f"  {cmd}")
-        return res
-    from wm.export.onnx import session
-
-    log(f"TensorRT engines ({why}):")
-    for name, path in onnx_files.items():
-        path = Path(path)
-        engine = path.with_suffix(".engine")
-        info = build_engine(path, engine, min_batch=1, opt_batch=opt_batch, max_batch=max_batch, dims=dims)
-        runner = TrtRunner(engine)
-        feed = {k: np.ascontiguousarray(v) for k, v in feeds[name].items()}
-        full = {k: torch.from_numpy(v) for k, v in feed.items()}
-        got = runner(**full)
-        # a Q/DQ file's reference is its ONNX semantics, not a CPU's integer kernels
-        sess = session(path, qdq_in_float=True)
-        names = [o.name for o in sess.get_outputs()]
-        if sorted(names) != sorted(runner.outputs):
-            raise TrtError(f"engine {engine} has outputs {runner.outputs}, onnxruntime gives {names} for {path}")
-        # by name: TensorRT documents no order for an engine's I/O tensors
-        vs = {o: _agreement(got[o].cpu().numpy(), r) for o, r in zip(names, sess.run(None, feed))}
-        one = {k: v[:1] for k, v in full.items()}
-        batch = int(next(iter(feed.values())).shape[0])
-        ms1, msb = runner.time(one, timing_iters), runner.time(full, timing_iters)
-        res["graphs"][name] = {"onnx": path.name, "engine": engine.name, "bytes": info["bytes"],
-                               "build_s": info["build_s"], "tensorrt": info["tensorrt"],
-                               "vs_onnxruntime": vs, "latency_ms": {"batch1": round(ms1, 3),
-                                                                   f"batch{batch}": round(msb, 3)}}
-        agree = " ".join(f"{o} {v.get('agreement', v.get('max_abs_diff')):.4g}" for o, v in vs.items())
-        log(f"  {engine.name:<28}{info['bytes'] / 2**20:7.1f} MiB  build {info['build_s']:6.1f} s  "
-            f"vs onnxruntime: {agree}  {ms1:.2f} ms (batch 1), {msb:.2f} ms (batch {batch})")
-    return res
