@@ -1,4 +1,4 @@
-"""Inputs real users give the converters (issue 13): damaged or mislabelled label files, every
+"""Inputs real users give the converters: damaged or mislabelled label files, every
 scene skipped, gt_paths from another machine, other data sets' formats, quaternions in another
 order, and what a conversion leaves behind. Each through the CLI, as a user meets it."""
 
@@ -101,7 +101,7 @@ def test_own_recordings_frame_that_is_not_what_its_name_says_is_one_line(tmp_pat
 
 
 # ---------------------------------------------------------------------------------------------
-# item 4: --skip-bad when every scene (or every scene of a split) is bad
+# --skip-bad when every scene (or every scene of a split) is bad
 
 
 def test_skip_bad_with_every_scene_bad_names_the_errors_and_writes_skipped_json(tmp_path):
@@ -132,7 +132,7 @@ def test_skip_bad_that_empties_the_val_split_fails(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# item 9: absolute gt_paths recorded on another machine
+# absolute gt_paths recorded on another machine
 
 
 def _set_gt_paths(src: Path, fn) -> None:
@@ -159,7 +159,7 @@ def test_absolute_gt_paths_of_another_machine_fall_back_to_the_root_layout(tmp_p
 
 
 # ---------------------------------------------------------------------------------------------
-# item 10: other data sets' formats, quaternions in another order
+# other data sets' formats, quaternions in another order
 
 
 def _rewrite_labels(src: Path, fn) -> None:
@@ -232,7 +232,7 @@ def test_quaternions_in_xyzw_order_are_flagged_and_read_with_quat_order(tmp_path
 
 
 # ---------------------------------------------------------------------------------------------
-# item 11: loose ends
+# loose ends
 
 
 def test_no_lock_file_is_left_behind(tmp_path):

@@ -187,7 +187,7 @@ def test_a_drive_in_milliseconds_is_an_error_naming_it(tmp_path):
 @pytest.mark.parametrize("drives_in_us", [("d1", "d2", "d3"), ("d2",)])
 def test_microsecond_unix_timestamps_read_as_seconds_are_one_line_naming_the_unit(tmp_path, drives_in_us):
     """Unix times in microseconds read as seconds do not fit int64 microseconds: one line naming the
-    drive's poses file and --time-unit us, every drive or one drive alike (was an OverflowError)."""
+    drive's poses file and --time-unit us, every drive or one drive alike."""
     recordings(tmp_path / "rec", t0=1.533e9, units={d: 1e-6 for d in drives_in_us})
     line = error_line(cli("--root", tmp_path / "rec", "--out", tmp_path / "out", "--classes-json",
                           classes_json(tmp_path / "c.json"), "--pad"))

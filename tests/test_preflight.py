@@ -1,7 +1,7 @@
-"""Every check that can fail a run runs before the first training step of the first stage (issue 13
-item 6): a world-stage window that does not fit the scenes at data.stride, a batch larger than a
-stage's data, a best_metric a stage does not report. And tools/inspect_data.py names its own flags
-when a window does not fit (item 8)."""
+"""Every check that can fail a run runs before the first training step of the first stage: a
+world-stage window that does not fit the scenes at data.stride, a batch larger than a stage's data,
+a best_metric a stage does not report. And tools/inspect_data.py names its own flags when a window
+does not fit."""
 
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""Reliability (issue 12): the ten failures found by attacking a clone as a cluster and its users
+"""Reliability: the ten failures found by attacking a clone as a cluster and its users
 would, each reproduced here, plus a kill at every instant between two renames of a save.
 
 1 SIGTERM to the whole process group (2 DataLoader workers)   6 a torn done.json

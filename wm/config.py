@@ -243,7 +243,7 @@ class StageConfig:
 # The defaults are the demo (`python train.py` on 2 CPU cores in a few minutes); configs/occworld.json
 # holds OccWorld's sizes and recipe.
 # The stages' batch_size is 0: both inherit data.batch_size unless a config sets their own.
-# Each choice below was measured on the occ3d scenes (BENCHMARKS.md, "Issue 14: a finer token grid").
+# Each choice below was measured on the occ3d scenes (BENCHMARKS.md).
 def _tokenizer_stage() -> StageConfig:
     # validated once, at the end: the last epoch is the best, and each validation costs a 2-core CPU seconds
     return StageConfig(epochs=5, lr=4e-3, warmup_steps=30, batch_size=0, eval_every=-1, best_metric="val/miou")

@@ -211,8 +211,8 @@ class WorldStage:
 
     def inductor_options(self) -> dict:
         """torch.compile settings of this stage's model: Inductor's own. (Its layout optimisation
-        forced on, as the tokenizer's, ended the compiled occworld step in an illegal memory access
-        on an H200; issue 15.)"""
+        forced on, as the tokenizer's, ends the compiled occworld step in an illegal memory access
+        on an H200.)"""
         return {}
 
     def after_step(self, model: nn.Module, d: D.Dist, skipped: torch.Tensor) -> None:

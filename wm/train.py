@@ -46,7 +46,7 @@ def cpu_has_amx() -> bool:
 
 def amp_dtype(cfg: Config, device: torch.device) -> Optional[torch.dtype]:
     """The autocast dtype, or None for fp32. "auto": bf16 on CUDA, and on a CPU with AMX, where the
-    demo takes a quarter less time in bf16 (BENCHMARKS.md, 10.6 -> 7.9 min on 2 cores); fp32 on other
+    demo takes a quarter less time in bf16 (BENCHMARKS.md); fp32 on other
     CPUs, whose bf16 is emulated and slower."""
     amp = cfg.train.amp
     if amp == "auto":
