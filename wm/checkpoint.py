@@ -140,9 +140,10 @@ def sha256_file(path: Path) -> str:
 
 
 def read_json(path: Path) -> dict | None:
+    """A JSON object from `path`, or None where it is missing, unreadable or not an object."""
     try:
         d = json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
         return None
     return d if isinstance(d, dict) else None
 

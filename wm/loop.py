@@ -26,7 +26,7 @@ from torch import nn
 
 from wm import distributed as D
 from wm.atomic import require_space, write_bytes
-from wm.checkpoint import load_checked, newest_valid, rng_state, set_rng_state
+from wm.checkpoint import load_checked, newest_valid, read_json, rng_state, set_rng_state
 from wm.checkpointer import Checkpointer
 from wm.ckpt_checks import all_finite, checker, checkpoint_bytes, first_nonfinite, shapes
 from wm.config import Config, StageConfig, stage_batch, to_dict
@@ -35,7 +35,7 @@ from wm.datastats import moving_classes
 from wm.errors import WMError
 from wm.evaluate import autocast
 from wm.logs import eta
-from wm.run import Run, belongs, read_json
+from wm.run import Run, belongs
 from wm.stages import batches_per_rank
 from wm.layers import count_parameters
 from wm.viz import bev_pair

@@ -19,7 +19,7 @@ import torch
 import wm
 from wm import distributed as D, runlock
 from wm.atomic import fsync_dir, require_space
-from wm.checkpoint import latest_checkpoint
+from wm.checkpoint import latest_checkpoint, read_json
 from wm.ckpt_checks import checkpoint_bytes, meta_model
 from wm.config import (ALLOWED, FREE, MATCH, Config, from_saved, key_rules, resolve_batch_sizes, save as save_config,
                        stage_sections, to_dict, upgrade)
@@ -226,14 +226,6 @@ def allowed_keys(rules: dict) -> str:
         if ks:
             groups.setdefault("<stage>_stage" if sec.endswith("_stage") else sec, ks)
     return ", ".join(f"{sec}.{{{','.join(ks)}}}" for sec, ks in groups.items())
-
-
-def read_json(path: Path) -> Optional[dict]:
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return d if isinstance(d, dict) else None
 
 
 def run_identity(cfg: dict, stage: str, sections: tuple = ()) -> dict:

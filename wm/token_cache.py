@@ -16,11 +16,11 @@ import torch
 
 from wm import distributed as D
 from wm.atomic import clean_temps, write_bytes
-from wm.checkpoint import sha256_file, write_hashed
+from wm.checkpoint import read_json, sha256_file, write_hashed
 from wm.data import OccWindows, ignore_stop_signals, start_workers
 from wm.errors import WMError, first_line
 from wm.evaluate import autocast, frames_config
-from wm.run import Run, read_json
+from wm.run import Run
 from wm.tokenizer import Tokenizer
 
 
