@@ -9,9 +9,11 @@ One forecast: the past frames (data.past) encoded, the world model rolled over t
 future frames, the codes decoded and the argmax taken; inputs are past occupancy (uint8, already on
 the device) and 4x4 poses (numpy), the future ego motion given. Rows (--modes):
 
-- fp32, bf16, bf16-compile, bf16-cudagraphs: PyTorch through wm.Forecaster (the world model's
-  key/value cache; bf16 = autocast; compile = torch.compile of encode, world step and decode;
-  cudagraphs = torch.compile mode "reduce-overhead"), on --device;
+- fp32, bf16, bf16-compile, bf16-cudagraphs, bf16-graph, bf16-compile-graph: PyTorch through
+  wm.Forecaster (the world model's key/value cache; bf16 = autocast; compile = torch.compile of
+  encode, world step and decode; cudagraphs = torch.compile mode "reduce-overhead"; graph = the
+  whole forecast recorded as one CUDA graph, Forecaster(cuda_graph=True): its phases are one,
+  "forecast"), on --device;
 - ort-fp32, ort-fp16, ort-int8: onnxruntime on the CPU, the exported graphs (--export folder:
   export.py's files; without one the FP32 and FP16 graphs are exported to a temporary folder, INT8
   needs export.py --int8) run by the deployed host loop wm.export.forecast.forecast (its step graph
@@ -46,8 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from wm.errors import WMError, first_line, run_cli  # noqa: E402
 
-TORCH_MODES = {"fp32": ("fp32", None), "bf16": ("bf16", None), "bf16-compile": ("bf16", "default"),
-               "bf16-cudagraphs": ("bf16", "reduce-overhead")}
+TORCH_MODES = {"fp32": ("fp32", None, False), "bf16": ("bf16", None, False),
+               "bf16-compile": ("bf16", "default", False), "bf16-cudagraphs": ("bf16", "reduce-overhead", False),
+               "bf16-graph": ("bf16", None, True), "bf16-compile-graph": ("bf16", "default", True)}
 ORT_MODES = {"ort-fp32": "", "ort-fp16": ".fp16", "ort-int8": ".int8-ort"}  # onnxruntime's INT8 copy
 OCCWORLD_MODES = {"occworld-fp32": "fp32", "occworld-bf16": "bf16"}
 ALL_MODES = (*TORCH_MODES, *ORT_MODES, *OCCWORLD_MODES)
@@ -225,10 +228,13 @@ def torch_rows(a, cfg, tok, world, device, modes, done, say) -> None:
     from wm.forecaster import Forecaster
 
     for mode in modes:
-        dtype, compile_mode = TORCH_MODES[mode]
+        dtype, compile_mode, graph = TORCH_MODES[mode]
         if compile_mode is not None:
             torch._dynamo.reset()  # each compiled row compiles its own graphs
-        f = Forecaster(cfg, tok, world, device, dtype, compile_mode)
+        if graph and device.type != "cuda":
+            done({"mode": mode, "engine": "pytorch CUDA graph", "status": "skipped: CUDA graphs need a GPU"})
+            continue
+        f = Forecaster(cfg, tok, world, device, dtype, compile_mode, cuda_graph=graph)
         given = cfg.train.forecast_motion == "given"
 
         def make(b, f=f):
@@ -237,7 +243,8 @@ def torch_rows(a, cfg, tok, world, device, modes, done, say) -> None:
             past, fut = poses[:, :cfg.data.past], poses[:, cfg.data.past:] if given else None
             return lambda mark: f(occ, past, future_poses=fut, on_phase=mark)
 
-        engine = f"pytorch {device.type} {dtype}" + (f", torch.compile {compile_mode}" if compile_mode else "")
+        engine = f"pytorch {device.type} {dtype}" + (f", torch.compile {compile_mode}" if compile_mode else "") \
+            + (", one CUDA graph" if graph else "")
         batches = a.compile_batches if compile_mode else a.batches
         done(guarded(mode, engine, lambda: sweep(mode, make, batches, Clock(device.type == "cuda"), a.iters,
                                                  a.warmup, say), say))
@@ -456,7 +463,8 @@ def main(argv=None) -> int:
         if bad:
             raise WMError(f"--modes: {bad[0]!r} is not one of {', '.join(ALL_MODES)}")
     else:
-        a.modes = ["fp32", "bf16"] + (["bf16-compile", "bf16-cudagraphs"] if device.type == "cuda" else []) \
+        a.modes = ["fp32", "bf16"] + (["bf16-graph", "bf16-compile", "bf16-compile-graph"]
+                                      if device.type == "cuda" else []) \
             + list(ORT_MODES) + (list(OCCWORLD_MODES) if a.occworld else [])
     a.threads = a.threads or len(os.sched_getaffinity(0))
     if a.occworld:
@@ -487,9 +495,9 @@ def main(argv=None) -> int:
         save()
 
     # cheap rows first, the compiled ones (minutes of compilation) after
-    torch_rows(a, cfg, tok, world, device, [m for m in a.modes if TORCH_MODES.get(m, (0, 1))[1] is None], done, say)
+    torch_rows(a, cfg, tok, world, device, [m for m in a.modes if TORCH_MODES.get(m, (0, 1, 0))[1] is None], done, say)
     rep["occworld"] = occworld_rows(a, device, done, say)
-    torch_rows(a, cfg, tok, world, device, [m for m in a.modes if TORCH_MODES.get(m, (0, None))[1]], done, say)
+    torch_rows(a, cfg, tok, world, device, [m for m in a.modes if TORCH_MODES.get(m, (0, None, 0))[1]], done, say)
     rep["onnx"] = ort_rows(a, cfg, tok, world, done, say)
     save()
     print(table(rep))

@@ -12,6 +12,12 @@ the training windows get it (wm.data.relative_motion: x, y, yaw in the last past
 Given future poses (a planned trajectory) are used as the future ego motion, as --eval-only does
 with train.forecast_motion=given; without them the model predicts it.
 
+`cuda_graph=True` (CUDA only) records the whole forecast (encode, every world step with its
+key/value cache, decode, argmax) as one CUDA graph per input shape on its first call, and replays
+it after: at batch 1 the forecast is bound by kernel launches (hundreds per world step), which a
+replay skips. Each call's inputs are copied into the graph's own buffers and its outputs copied out,
+so results stay valid across calls.
+
 The run is loaded by export's loader (wm.export.onnx.load_trained): the best valid world checkpoint,
 its tokenizer found by sha256, the two checkpoints' configs checked against each other as
 --eval-only checks them. Every input a caller can get wrong is refused with one line (WMError).
@@ -19,6 +25,7 @@ its tokenizer found by sha256, the two checkpoints' configs checked against each
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +33,12 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from wm.config import Config
 from wm.config_runtime import COMPILE_MODES
 from wm.data import relative_motion
 from wm.errors import WMError
-from wm.evaluate import autocast
 from wm.tokenizer import Tokenizer
 from wm.world import WorldModel
 
@@ -77,6 +84,15 @@ def _compile(mode: Optional[str]) -> Optional[str]:
     if mode is not None and mode not in COMPILE_MODES:
         raise WMError(f"Forecaster compile {mode!r} must be one of None, {', '.join(COMPILE_MODES)}")
     return mode
+
+
+def _graph_ok(cuda_graph: bool, device: torch.device, compile: Optional[str]) -> bool:
+    if cuda_graph and device.type != "cuda":
+        raise WMError(f"Forecaster cuda_graph=True needs a CUDA device, not {device}; leave it off on the CPU")
+    if cuda_graph and compile not in (None, "default"):
+        raise WMError(f"Forecaster cuda_graph=True records its own graph: use compile=None or 'default', "
+                      f"not {compile!r}")
+    return bool(cuda_graph)
 
 
 def _array(x, what: str) -> np.ndarray:
@@ -150,20 +166,47 @@ def prepare_inputs(cfg: Config, device: torch.device, past_occ, past_poses, futu
     return occ.to(torch.uint8), motion[:, :P], fut_motion, S, batched, as_numpy
 
 
+class _Graph:
+    """One forecast recorded as a CUDA graph: static input buffers, the recorded outputs."""
+
+    def __init__(self, fn: Callable, inputs: list, pool):
+        self.inputs = [None if x is None else x.clone() for x in inputs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture: cuDNN's choices, compiles, lazy inits
+            for _ in range(2):
+                fn(*self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.outputs = fn(*self.inputs)
+
+    def __call__(self, inputs: list) -> list:
+        for buf, x in zip(self.inputs, inputs):
+            if buf is not None:
+                buf.copy_(x)
+        self.graph.replay()
+        return self.outputs
+
+
 class Forecaster:
     """past occupancy + poses -> future occupancy with a trained tokenizer and world model.
 
     `Forecaster.from_run(run)` loads a run folder; the constructor takes the models themselves (e.g.
     randomly initialised ones of a config, for timing). `dtype`: fp32 | bf16 | fp16 (autocast);
     `compile`: None or a torch.compile mode (wm.config_runtime.COMPILE_MODES; reduce-overhead = CUDA graphs)
-    for the tokenizer's encode and decode and the world model's step."""
+    for the tokenizer's encode and decode and the world model's step; `cuda_graph`: the whole forecast
+    as one CUDA graph per input shape (see the module's docstring; with compile None or default)."""
 
     def __init__(self, cfg: Config, tokenizer: Tokenizer, world: WorldModel, device="cpu", dtype="fp32",
                  compile: Optional[str] = None, checkpoint: Optional[Path] = None,
-                 tokenizer_checkpoint: Optional[Path] = None):
+                 tokenizer_checkpoint: Optional[Path] = None, cuda_graph: bool = False):
         self.dtype, self.amp = _dtype(dtype)
         self.device = _device(device)
         self.cfg, self.compile = cfg, _compile(compile)
+        self.cuda_graph = _graph_ok(cuda_graph, self.device, self.compile)
+        self._graphs: dict = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
         self.checkpoint, self.tokenizer_checkpoint = checkpoint, tokenizer_checkpoint
         self.tokenizer = tokenizer.to(self.device).eval().requires_grad_(False)
         self.world = world.to(self.device).eval().requires_grad_(False)
@@ -174,13 +217,45 @@ class Forecaster:
 
     @classmethod
     def from_run(cls, run: str | os.PathLike, ckpt: Optional[str | os.PathLike] = None, device="cpu",
-                 dtype="fp32", compile: Optional[str] = None) -> "Forecaster":
+                 dtype="fp32", compile: Optional[str] = None, cuda_graph: bool = False) -> "Forecaster":
         """The run's best world-model checkpoint (or `ckpt`) and the tokenizer it was trained on."""
         from wm.export.onnx import load_trained
 
-        _dtype(dtype), _device(device), _compile(compile)  # refuse a bad argument before reading checkpoints
+        _dtype(dtype), _graph_ok(cuda_graph, _device(device), _compile(compile))  # refuse before reading
         t = load_trained(run, ckpt)
-        return cls(t.cfg, t.tokenizer, t.world, device, dtype, compile, t.ckpt, t.tokenizer_ckpt)
+        return cls(t.cfg, t.tokenizer, t.world, device, dtype, compile, t.ckpt, t.tokenizer_ckpt, cuda_graph)
+
+    def _forecast(self, occ: Tensor, motion: Tensor, fut: Optional[Tensor], S: int, mark: Callable) -> list:
+        """[occupancy, motion, codes, logits] of the future frames; what a CUDA graph records."""
+
+        def step(*a):
+            out = self._step(*a)
+            mark("step")
+            return out
+
+        # autocast's cache of cast weights would outlive a graph's capture: off when recording
+        amp = (torch.autocast(self.device.type, dtype=self.amp, cache_enabled=not self.cuda_graph)
+               if self.amp is not None else contextlib.nullcontext())
+        with torch.no_grad(), amp:
+            past_codes = self._encode(occ)
+            mark("encode")
+            codes, motion_out = self.world.rollout(past_codes, motion, S, future_motion=fut, step=step)
+            lg = self._decode(codes)
+            pred = lg.argmax(2).to(torch.uint8)
+            mark("decode")
+        return [pred, motion_out, codes, lg]
+
+    def _replay(self, occ: Tensor, motion: Tensor, fut: Optional[Tensor], S: int, logits: bool) -> list:
+        """The forecast through this input shape's CUDA graph (recorded on its first call); the
+        outputs copied out of the graph's memory, which the next replay overwrites."""
+        key = (tuple(occ.shape), fut is None, S)
+        with torch.cuda.device(self.device):  # a graph records and replays on its tensors' device
+            g = self._graphs.get(key)
+            if g is None:
+                g = self._graphs[key] = _Graph(lambda o, m, f: self._forecast(o, m, f, S, lambda name: None),
+                                               [occ, motion, fut], self._pool)
+            out = g([occ, motion, fut])
+            return [x.clone() for x in out[:3]] + [out[3].clone() if logits else None]
 
     def __call__(self, past_occ, past_poses, future_poses=None, steps: Optional[int] = None,
                  logits: bool = False, on_phase: Optional[Callable[[str], Any]] = None) -> Prediction:
@@ -195,24 +270,17 @@ class Forecaster:
         occ, motion, fut, S, batched, as_numpy = prepare_inputs(self.cfg, self.device, past_occ, past_poses,
                                                                 future_poses, steps)
         mark("inputs")
-        if self.compile == "reduce-overhead":  # a new forecast: the last one's CUDA-graph outputs may be reused
-            torch.compiler.cudagraph_mark_step_begin()
-
-        def step(*a):
-            out = self._step(*a)
-            mark("step")
-            return out
-
-        with torch.no_grad(), autocast(self.device, self.amp):
-            past_codes = self._encode(occ)
-            mark("encode")
-            codes, motion_out = self.world.rollout(past_codes, motion, S, future_motion=fut, step=step)
-            lg = self._decode(codes)
-            pred = lg.argmax(2).to(torch.uint8)
-            mark("decode")
-        if logits and self.compile == "reduce-overhead":
-            lg = lg.clone()  # CUDA-graph memory: the next forecast would overwrite it
-        out = [pred, motion_out, codes, lg if logits else None]
+        if self.cuda_graph:
+            out = self._replay(occ, motion, fut, S, logits)
+            mark("forecast")  # one graph: its phases are not marked apart
+        else:
+            if self.compile == "reduce-overhead":  # a new forecast: the last one's CUDA-graph outputs may be reused
+                torch.compiler.cudagraph_mark_step_begin()
+            out = self._forecast(occ, motion, fut, S, mark)
+            if logits and self.compile == "reduce-overhead":
+                out[3] = out[3].clone()  # CUDA-graph memory: the next forecast would overwrite it
+            if not logits:
+                out[3] = None
         if not batched:
             out = [None if x is None else x[0] for x in out]
         if as_numpy:
