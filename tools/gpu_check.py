@@ -6,10 +6,13 @@ one row per check, PASS / FAIL / SKIP with a one-line reason; exit status 1 if a
     python tools/gpu_check.py --cfg configs/occworld.json --set data.grid=64,64,16   # other models
     python tools/gpu_check.py --device cpu --backend aot_eager  # the same steps on a CPU (gloo; its tests)
 
+Each row is printed as soon as it is known, then the whole table.
+
 Rows:
   versions    torch, CUDA, cuDNN, NCCL, Triton and the GPUs (name, memory)
   cuda tests  `pytest -m cuda tests` (the tests that skip themselves without CUDA: the Triton kernels
-              against their references, the sync-free step, pinned checkpoint copies), in a subprocess
+              against their references, the sync-free step, pinned checkpoint copies, the forecast as
+              one CUDA graph), in a subprocess beside the step checks (--tests-timeout from the start)
   steps       one training step of each stage (wm.loop.train_step, as fit runs it) eager and
               torch.compile'd from the same weights and batch, on one device: the loss and the gradient
               norm must agree within --loss-tol / --grad-tol (relative); the compiled step's first call
@@ -91,21 +94,31 @@ def versions(device: str) -> dict:
     return row("versions", "PASS", ", ".join(parts) + "; " + ", ".join(f"{n}x {k}" for k, n in names.items()))
 
 
-def cuda_tests(device: str, timeout: float) -> dict:
+def start_cuda_tests(device: str):
+    """`pytest -m cuda tests` started in the background (it runs beside the step checks); None on a CPU."""
     if device == "cpu":
-        return row("cuda tests", "SKIP", "no CUDA here: those tests skip themselves (pytest -m cuda)")
+        return None
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests", "-p", "no:cacheprovider"]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def cuda_tests(proc, timeout: float) -> dict:
+    """The row of start_cuda_tests' run, waiting at most `timeout` seconds more for it."""
+    if proc is None:
+        return row("cuda tests", "SKIP", "no CUDA here: those tests skip themselves (pytest -m cuda)")
     try:
-        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        stdout, stderr = proc.communicate(timeout=max(timeout, 1.0))
     except subprocess.TimeoutExpired:
-        return row("cuda tests", "FAIL", f"pytest -m cuda did not end within {timeout:.0f} s")
-    out = r.stdout.strip().splitlines()
-    summary = out[-1] if out else r.stderr.strip()[-200:]
-    if r.returncode == 5:  # none collected: no Triton, and no other CUDA test ran
+        proc.kill()
+        proc.communicate()
+        return row("cuda tests", "FAIL", "pytest -m cuda did not end in time")
+    out = stdout.strip().splitlines()
+    summary = out[-1] if out else stderr.strip()[-200:]
+    if proc.returncode == 5:  # none collected: no Triton, and no other CUDA test ran
         return row("cuda tests", "FAIL", f"no CUDA test was collected ({summary})")
     failed = [ln.split(" ", 1)[1] for ln in out if ln.startswith(("FAILED ", "ERROR "))]
-    if r.returncode != 0:
-        return row("cuda tests", "FAIL", f"{summary}; first: {failed[0][:160] if failed else r.stderr[-200:]}")
+    if proc.returncode != 0:
+        return row("cuda tests", "FAIL", f"{summary}; first: {failed[0][:160] if failed else stderr[-200:]}")
     return row("cuda tests", "PASS", summary)
 
 
@@ -248,8 +261,10 @@ def run_worker(a, work: Path, ranks: int, tag: str) -> tuple:
     args = ["--worker", "--backend", a.backend, "--allreduce-mib", str(a.allreduce_mib if ranks > 1 else 0)]
     if a.cfg:
         args += ["--cfg", a.cfg]
-    # 1 MiB DDP buckets: several, as at the occworld sizes with 100 MiB
-    sets = ["ddp.bucket_mib=1"] + list(a.set) + [f"data.root={work / 'data'}", f"run.out_dir={work / tag}", "run.name=check",
+    # 1 MiB DDP buckets: several, as at the occworld sizes with 100 MiB; no coordinate-descent
+    # tuning: it searches block sizes for a minute and changes no result
+    sets = ["ddp.bucket_mib=1", "compile.tokenizer_tuning=false"] + list(a.set) + [
+        f"data.root={work / 'data'}", f"run.out_dir={work / tag}", "run.name=check",
                           f"train.device={a.device}", "logging.tensorboard=false", "logging.images=false",
                           "loader.num_workers=0", f"tokenizer_stage.batch_size={a.batch}",
                           f"world_stage.batch_size={a.batch}", "tokenizer_stage.grad_accum=1",
@@ -322,6 +337,8 @@ def parse_args(argv=None):
     ap.add_argument("--backend", default="inductor",
                     help="torch.compile backend of the steps (inductor, what training uses; aot_eager for quick CPU tests)")
     ap.add_argument("--step-timeout", type=float, default=240.0, help="seconds each step check may take")
+    ap.add_argument("--tests-timeout", type=float, default=300.0,
+                    help="seconds from the start the CUDA tests (run beside the step checks) may take")
     ap.add_argument("--read-seconds", type=float, default=5.0, help="seconds of reading in the reads row")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -342,15 +359,21 @@ def main(argv=None) -> int:
     cfg = load_config(a.cfg, a.set)  # a bad --cfg / --set is one line before anything runs
     t_start = time.perf_counter()
     rows: list[dict] = []
+
+    def add(*new: dict) -> None:  # each row as soon as it is known: a check cut short keeps the others
+        for r in new:
+            rows.append(r)
+            print(f"{r['check']:<16}  {r['status']:<4}  {r['detail']}  [{time.perf_counter() - t_start:.0f} s]",
+                  flush=True)
+
     gpus = torch.cuda.device_count() if a.device == "cuda" else 0
     ranks_ok = a.device == "cpu" or gpus >= a.ranks
     if "versions" in a.checks:
-        rows.append(versions(a.device))
-    if "tests" in a.checks:
-        rows.append(cuda_tests(a.device, timeout=300))
+        add(versions(a.device))
+    tests = start_cuda_tests(a.device) if "tests" in a.checks else None  # beside the step checks
     want = [c for c in ("steps", "ddp", "allreduce") if c in a.checks]
     if want and a.device == "cuda" and not gpus:
-        rows += [row(c, "FAIL", "no CUDA device") for c in want]
+        add(*[row(c, "FAIL", "no CUDA device") for c in want])
         want = []
     work = Path(tempfile.mkdtemp(prefix="wm-gpu-check-"))
     try:
@@ -358,29 +381,36 @@ def main(argv=None) -> int:
             make_data(work, a)
         if "steps" in want:
             res, why = run_worker(a, work, 1, "one")
-            rows += step_rows("steps 1 " + a.device, res, a) if res else [row("steps", "FAIL", why)]
+            add(*(step_rows("steps 1 " + a.device, res, a) if res else [row("steps", "FAIL", why)]))
         if ("ddp" in want or "allreduce" in want) and not ranks_ok:
-            rows += [row(c, "SKIP", f"{gpus} GPU(s): fewer than --ranks {a.ranks}")
-                     for c in ("ddp", "allreduce") if c in want]
+            add(*[row(c, "SKIP", f"{gpus} GPU(s): fewer than --ranks {a.ranks}")
+                  for c in ("ddp", "allreduce") if c in want])
         elif "ddp" in want or "allreduce" in want:
             res, why = run_worker(a, work, a.ranks, "ddp")
             label = f"ddp {a.ranks}x{a.device}"
             if res is None:
-                rows += [row(label, "FAIL", why)]
+                add(row(label, "FAIL", why))
             else:
                 if "ddp" in want:
-                    rows += step_rows(label, res, a)
+                    add(*step_rows(label, res, a))
                 if "allreduce" in want:
                     bw = res.get("allreduce")
-                    rows.append(row("all-reduce", "PASS", f"{bw['busbw_gbs']:.1f} GB/s bus bandwidth, "
-                                    f"{bw['mib']:g} MiB fp32 on {a.ranks} ranks "
-                                    f"({'NCCL' if a.device == 'cuda' else 'gloo'}), best of the timed runs")
-                                if bw else row("all-reduce", "FAIL", "no figure came back"))
+                    add(row("all-reduce", "PASS", f"{bw['busbw_gbs']:.1f} GB/s bus bandwidth, "
+                            f"{bw['mib']:g} MiB fp32 on {a.ranks} ranks "
+                            f"({'NCCL' if a.device == 'cuda' else 'gloo'}), best of the timed runs")
+                        if bw else row("all-reduce", "FAIL", "no figure came back"))
         if "reads" in a.checks:
-            rows.append(reads(a.data, cfg, a.read_seconds) if a.data else
-                        row("reads", "SKIP", "give --data DIR to time a data set's reads"))
+            add(reads(a.data, cfg, a.read_seconds) if a.data else
+                row("reads", "SKIP", "give --data DIR to time a data set's reads"))
+        if "tests" in a.checks:
+            add(cuda_tests(tests, a.tests_timeout - (time.perf_counter() - t_start)))
+            tests = None
     finally:
+        if tests is not None and tests.poll() is None:
+            tests.kill()
+            tests.communicate()
         shutil.rmtree(work, ignore_errors=True)
+    print()
     print(table(rows))
     failed = [r for r in rows if r["status"] == "FAIL"]
     print(f"{len(rows) - len(failed)} of {len(rows)} rows pass or skip, {len(failed)} fail "
