@@ -50,7 +50,7 @@ def sets(args: list[str]) -> list[str]:
 
 def test_bench_writes_every_figure_with_sane_values(tiny, tmp_path, B):
     out = tmp_path / "bench.json"
-    args = tiny.args(out="bench") + ["--steps", "2", "--warmup", "1", "--batches", "1,2",
+    args = tiny.args(out="bench") + ["--steps", "2", "--warmup", "1", "--batches", "1,2", "--stage-batch", "world=2",
                                      "--variants", "fp32-b1,bf16,onthefly,save", "--json", str(out)]
     t = time.perf_counter()
     assert B.main(args) == 0
@@ -63,7 +63,7 @@ def test_bench_writes_every_figure_with_sane_values(tiny, tmp_path, B):
     assert set(got) == {("tokenizer", "fp32-b1"), ("tokenizer", "bf16"), ("tokenizer", "save"),
                         ("world", "fp32-b1"), ("world", "bf16"), ("world", "onthefly"), ("world", "save")}
     assert [r["batch"] for r in d["sweeps"]["tokenizer"]] == [1, 2]
-    assert [r["batch"] for r in d["sweeps"]["world"]] == [1, 2]
+    assert [r["batch"] for r in d["sweeps"]["world"]] == [2]  # --stage-batch world=2 instead of --batches
     assert got["tokenizer", "fp32-b1"]["batch"] == 10  # OccWorld's batch 1: one 10-frame sample
     assert got["world", "fp32-b1"]["batch"] == 1
     for (stage, v), r in got.items():
@@ -111,6 +111,13 @@ def test_bench_writes_every_figure_with_sane_values(tiny, tmp_path, B):
         assert rec["flops_per_sample"] == flops, (rec["stage"], rec["variant"])
     run.log.close()
     print(f"bench took {took:.1f} s")
+
+
+@pytest.mark.parametrize("bad", ["foo=2", "world=0", "world=two", "world"])
+def test_a_bad_stage_batch_is_one_line(B, bad, capsys):
+    with pytest.raises(SystemExit):
+        B.parse_args(["--stage-batch", bad])
+    assert f"--stage-batch {bad!r} must be tokenizer=B or world=B" in capsys.readouterr().err
 
 
 def test_scaling_report_divides_samples_per_s(tmp_path, B, capsys):

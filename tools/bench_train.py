@@ -5,6 +5,8 @@ activation checkpointing, token cache vs encoding on the fly, and what a checkpo
     torchrun --nproc_per_node 2 tools/bench_train.py --cfg configs/occworld.json \\
         --set synthetic.compression=gzip1 --variants fp32-b1,bf16 --batches 8 --json two.json
     python tools/bench_train.py --scaling one.json two.json     # samples/s on 2 GPUs over 1, per variant
+    python tools/bench_train.py --cfg configs/occworld.json --variants bf16-compile \
+        --stage-batch tokenizer=32 --stage-batch world=16        # each stage at its own batch, one process
     python tools/bench_train.py --set train.device=cpu --variants fp32-b1,bf16 --steps 3 --warmup 1  # a CPU
 
 Every variant times `wm.loop.train_step`, the body of train.py's loop (grad_accum micro-batches,
@@ -658,6 +660,9 @@ def parse_args(argv=None):
     ap.add_argument("--batches", default=None,
                     help="per-GPU batches the bf16 sweep tries, in order (tokenizer: frames; world: windows); "
                          "default 1,2,4,8,16,32,64 on CUDA, the config's stage batch on a CPU")
+    ap.add_argument("--stage-batch", action="append", default=[], metavar="STAGE=B",
+                    help="this stage's batch instead of --batches, e.g. tokenizer=32 world=16 (repeatable): both "
+                         "stages timed in one process at their own batches")
     ap.add_argument("--ckpt-k", type=int, default=2, help="checkpoint every k-th block in the bf16-ckptk variant")
     ap.add_argument("--steps", type=int, default=15, help="timed steps per variant")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile: at least 3)")
@@ -682,6 +687,13 @@ def parse_args(argv=None):
             a.batches = None if a.batches is None else [int(b) for b in a.batches.split(",") if b]
         except ValueError:
             ap.error(f"--batches {a.batches!r} must be integers, e.g. 1,2,4,8")
+        stage_batch = {}
+        for kv in a.stage_batch:
+            st, _, b = kv.partition("=")
+            if st not in ("tokenizer", "world") or not b.isdigit() or int(b) < 1:
+                ap.error(f"--stage-batch {kv!r} must be tokenizer=B or world=B with B >= 1")
+            stage_batch[st] = [int(b)]
+        a.stage_batch = stage_batch
         if a.batches == [] or min(a.batches or [1]) < 1 or a.steps < 1 or a.warmup < 0 or a.saves < 1 or a.ckpt_k < 1:
             ap.error("--batches, --steps, --saves, --ckpt-k must be >= 1 and --warmup >= 0")
     return a
@@ -733,8 +745,8 @@ def main(argv=None) -> int:
                 else:
                     say(d, f"  {stage} {rec['variant']}: {rec.get('status')}", file=sys.stderr)
 
-            batches = a.batches or ([1, 2, 4, 8, 16, 32, 64] if cuda else
-                                    [getattr(cfg, f"{stage}_stage").batch_size or cfg.data.batch_size])
+            batches = a.stage_batch.get(stage) or a.batches or (
+                [1, 2, 4, 8, 16, 32, 64] if cuda else [getattr(cfg, f"{stage}_stage").batch_size or cfg.data.batch_size])
             best_batch = max(batches)
             for v in a.variants:
                 if stage == "tokenizer" and v in WORLD_ONLY:
