@@ -254,3 +254,50 @@ def test_loader_with_two_workers_over_hdf5(tmp_path):
         sampler.set_epoch(epoch + 1)
         expect = list(sampler)
     assert loader._iterator is not None and loader._iterator._persistent_workers
+
+
+@pytest.mark.parametrize("ws,pos", [(1, 0), (2, 6), (3, 5)])
+def test_epoch_batches_are_each_epochs_drop_last_batches_one_after_another(ws, pos):
+    """The endless batch sampler yields, from a mid-epoch position, what a per-epoch loader with
+    drop_last would: the rest of the epoch in whole batches, then each next epoch's."""
+    from wm.data import EpochBatches
+
+    n, b = 23, 2
+    for r in range(ws):
+        s = ResumableSampler(n, ws, r, seed=3, drop_last=True)
+        s.advance(pos)
+        got = iter(EpochBatches(s, b))
+        want, e, c = [], 0, pos
+        for _ in range(3):  # the rest of epoch 0, then epochs 1 and 2
+            idx = s.indices(e, c)
+            want += [idx[k * b:(k + 1) * b] for k in range(len(idx) // b)]
+            e, c = e + 1, 0
+        assert [next(got) for _ in range(len(want))] == want
+        assert (s.epoch, s.consumed) == (0, pos)  # iterating does not move the sampler: the loop does
+    with pytest.raises(DataError, match="fewer than one batch of 4"):
+        next(iter(EpochBatches(ResumableSampler(5, 2, 0, drop_last=True), 4)))
+
+
+def test_batch_stream_runs_through_epochs_on_one_loader_iterator(tmp_path):
+    """Training's stream over the endless loader: the same batches and the same sampler state after
+    every batch as a loader started again at each epoch, and one worker iterator for every epoch."""
+    import wm.loop as L
+
+    write_set(tmp_path, [6, 7, 5])
+    c = cfg(past=2, future=1)
+    ds = OccWindows(tmp_path, "train", c)
+    lc = LoaderConfig(num_workers=2, prefetch_factor=2)
+    streams = []
+    for endless in (True, False):
+        s = ResumableSampler(len(ds), seed=5, drop_last=True)
+        s.advance(3)  # a resumed run: mid-epoch
+        streams.append(L.BatchStream(make_loader(ds, s, lc, 5, endless=endless), s, 5))
+    first = streams[0].it
+    per_epoch = len(ds) // 5  # 12 windows: 2 batches and a tail of 2 an epoch
+    for _ in range(3 * per_epoch):
+        a, b = (st() for st in streams)
+        assert a["index"].tolist() == b["index"].tolist()
+        assert streams[0].sampler.state_dict() == streams[1].sampler.state_dict()
+    assert streams[0].sampler.epoch >= 2 and streams[0].it is first
+    for st in streams:
+        st.it = None

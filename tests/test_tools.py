@@ -127,6 +127,17 @@ def test_bench_data_writes_figures(tmp_path):
     assert "memmap" in p.stdout and "npz" in p.stdout
 
 
+def test_bench_data_stream_times_both_loaders(tmp_path):
+    out = tmp_path / "stream.json"
+    run("tools/bench_data.py", "--grid", "16", "16", "4", "--scenes", "2", "--frames", "14", "--stream", "1",
+        "--stream-steps", "12", "--batch", "4", "--workers", "1", "--json", str(out))
+    d = json.loads(out.read_text())["stream"]
+    assert set(d) == {"endless", "restarted each epoch"}
+    for r in d.values():
+        assert r["steps_per_epoch"] == 7  # 28 frames in batches of 4
+        assert r["epoch_first_wait_ms"] >= 0 and r["other_wait_ms"] >= 0 and 0 <= r["wait_frac"] < 1
+
+
 def test_bev_can_show_moving_objects_under_a_canopy():
     from wm.viz import bev, palette
 

@@ -13,6 +13,15 @@ check and ego motion included), single process and through a DataLoader with wor
 Reported: bytes on disk per frame, windows/s and MB/s of raw occupancy delivered, and the speed-up
 over the npz baseline. Targets (docs/ARCHITECTURE.md): memmap >= 10x the npz baseline; the default HDF5
 compression >= 2x at >= 30x fewer bytes than raw.
+
+    python tools/bench_data.py --stream 80 --batch 32 --workers 6 --scenes 4   # the training stream
+
+`--stream STEP_MS`: instead, what a training step waits for data, from the memmap layout through
+the loop's own stream (wm.loop.BatchStream over wm.data.make_loader, single frames as the
+tokenizer trains on, `--batch` a step), the step itself simulated by sleeping STEP_MS (a GPU step
+at that pace): the wait per step, at the epoch's first step and at the others, for the loader
+that runs through the epochs (endless, what training uses) and for one that is started again at
+every epoch. A small data set (`--scenes`) makes many epoch ends.
 """
 
 import argparse
@@ -32,7 +41,8 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from wm.config import DataConfig  # noqa: E402
-from wm.data import OccWindows, relative_motion  # noqa: E402
+from wm.config_runtime import LoaderConfig  # noqa: E402
+from wm.data import OccWindows, ResumableSampler, make_loader, relative_motion  # noqa: E402
 from wm.errors import run_cli  # noqa: E402
 from wm.shard_writer import ShardWriter  # noqa: E402
 from wm.shards import COMPRESSIONS, DEFAULT_COMPRESSION, Manifest  # noqa: E402
@@ -96,6 +106,38 @@ def time_loader(ds, picks, workers: int, batch: int) -> float:
     return n / (time.perf_counter() - t)
 
 
+def time_stream(root: Path, cfg: DataConfig, a) -> dict:
+    """Wait for data per simulated step (ms), through the training stream, endless loader or not."""
+    import wm.loop as L
+    from wm.evaluate import frames_config
+
+    ds = OccWindows(root, "train", frames_config(cfg))
+    out = {}
+    for endless in (True, False):
+        sampler = ResumableSampler(len(ds), seed=a.seed, drop_last=True)
+        lc = LoaderConfig(num_workers=a.workers, prefetch_factor=4)
+        stream = L.BatchStream(make_loader(ds, sampler, lc, a.batch, endless=endless), sampler, a.batch)
+        per_epoch = len(ds) // a.batch
+        for _ in range(per_epoch):  # the first epoch starts the workers: not a steady state
+            stream()
+        first, other = [], []
+        for k in range(a.stream_steps):
+            t = time.perf_counter()
+            stream()
+            (first if k % per_epoch == 0 else other).append((time.perf_counter() - t) * 1e3)
+            time.sleep(a.stream / 1e3)
+        stream.it = None  # ends the workers
+        name = "endless" if endless else "restarted each epoch"
+        out[name] = {"steps_per_epoch": per_epoch, "epoch_first_wait_ms": float(np.mean(first)),
+                     "other_wait_ms": float(np.mean(other)) if other else 0.0,
+                     "wait_frac": (sum(first) + sum(other)) / (sum(first) + sum(other) + a.stream * a.stream_steps)}
+        r = out[name]
+        print(f"  loader {name:<21} wait at an epoch's first step {r['epoch_first_wait_ms']:7.1f} ms, at the "
+              f"others {r['other_wait_ms']:6.2f} ms; {100 * r['wait_frac']:.1f} % of the time "
+              f"({per_epoch} steps an epoch, {a.stream:g} ms steps)", file=sys.stderr)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--grid", type=int, nargs=3, default=[200, 200, 16], metavar=("X", "Y", "Z"))
@@ -111,7 +153,13 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", help="where to write the layouts (default: a temporary folder, removed)")
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stream", type=float, metavar="STEP_MS",
+                    help="time the training stream's wait for data at simulated steps of STEP_MS instead")
+    ap.add_argument("--stream-steps", type=int, default=60, help="timed steps of each --stream loader")
     a = ap.parse_args(argv)
+    if a.stream is not None:
+        if a.stream < 0 or a.stream_steps < 1 or a.workers < 0:
+            ap.error("--stream must be >= 0, --stream-steps >= 1, --workers >= 0")
 
     torch.set_num_threads(1)
     grid = tuple(a.grid)
@@ -125,6 +173,8 @@ def main(argv=None) -> int:
         if unknown:
             ap.error(f"unknown layouts {sorted(unknown)}; choose from {layouts}")
         layouts = [x for x in layouts if x in a.layouts] + (["npz"] if "npz" not in a.layouts else [])
+    if a.stream is not None:
+        layouts = ["memmap"]
     cfg = DataConfig(grid=grid, past=a.past, future=a.future)
     info = dataset_info(grid, with_mask=False)
     raw_frame = int(np.prod(grid))
@@ -157,6 +207,13 @@ def main(argv=None) -> int:
                 Manifest(p, info, [{**entry, "split": "train"}]).write()
             paths[lay] = p
 
+        if a.stream is not None:
+            res = time_stream(paths["memmap"], cfg, a)
+            if a.json:
+                Path(a.json).write_text(json.dumps({"stream": res, "settings": {**vars(a), "grid": list(grid)},
+                                                    "machine": {"cpus": os.cpu_count(), "torch": torch.__version__}},
+                                                   indent=1))
+            return 0
         results = {}
         picks = None
         for lay in layouts:

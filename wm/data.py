@@ -239,9 +239,14 @@ class ResumableSampler(Sampler[int]):
         return left // self.world_size if self.drop_last else math.ceil(left / self.world_size)
 
     def __iter__(self) -> Iterator[int]:
-        order, per_rank = self.order(), len(self)
-        pos = self.consumed + self.rank + self.world_size * np.arange(per_rank)
-        return iter(order[pos % self.n].tolist())  # modulo: the padding wraps to the start
+        return iter(self.indices(self.epoch, self.consumed))
+
+    def indices(self, epoch: int, consumed: int) -> list[int]:
+        """This rank's samples of `epoch` from global position `consumed` to the epoch's end."""
+        left = max(0, self.n - consumed)
+        per_rank = left // self.world_size if self.drop_last else math.ceil(left / self.world_size)
+        pos = consumed + self.rank + self.world_size * np.arange(per_rank)
+        return self.order(epoch)[pos % self.n].tolist()  # modulo: the padding wraps to the start
 
     def advance(self, samples: int) -> None:
         """Record that `samples` more (global) samples were consumed; rolls to the next epoch at
@@ -272,6 +277,29 @@ class ResumableSampler(Sampler[int]):
         self.epoch, self.consumed = int(d["epoch"]), int(d["consumed"])
 
 
+class EpochBatches:
+    """A DataLoader `batch_sampler`: one rank's batches in a ResumableSampler's order, endless. The
+    rest of the sampler's current epoch, then every next epoch, each cut to whole batches (what
+    drop_last does to an epoch), so one loader iterator runs through the epoch ends: its workers'
+    prefetch queue never runs dry there, as it did with a new iterator per epoch (a step's wait
+    for data at every epoch start). Reads the sampler's position when iterated; the loop moves it."""
+
+    def __init__(self, sampler: ResumableSampler, batch_size: int):
+        self.sampler, self.batch_size = sampler, batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        s, b = self.sampler, self.batch_size
+        epoch, consumed = s.epoch, s.consumed
+        while True:
+            idx = s.indices(epoch, consumed)
+            if consumed == 0 and len(idx) < b:
+                raise DataError(f"an epoch of {s.n} samples gives this rank {len(idx)}, fewer than one "
+                                f"batch of {b}; lower the batch size or add data")
+            for k in range(len(idx) // b):
+                yield idx[k * b:(k + 1) * b]
+            epoch, consumed = epoch + 1, 0
+
+
 def ignore_stop_signals(worker_id: int = 0) -> None:
     """DataLoader `worker_init_fn`: workers ignore SIGTERM and SIGINT. Clusters (SLURM at preemption
     or time limit, `timeout`, Ctrl-C in a terminal) signal the whole process group; a worker that
@@ -297,14 +325,18 @@ def start_workers(loader: DataLoader):
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def make_loader(ds: Dataset, sampler, cfg: LoaderConfig, batch_size: int, drop_last: bool = True) -> DataLoader:
+def make_loader(ds: Dataset, sampler, cfg: LoaderConfig, batch_size: int, drop_last: bool = True,
+                endless: bool = False) -> DataLoader:
     """DataLoader over `ds` in `sampler`'s order, in batches of `batch_size`. Workers open HDF5 files
     lazily (the shards reopen their handle in the reading process), memory is pinned for async copies
-    to the GPU, and persistent workers keep open handles and warm caches between epochs."""
+    to the GPU, and persistent workers keep open handles and warm caches between epochs. `endless`
+    (a ResumableSampler's, training's): one iterator over every epoch from the sampler's position,
+    each epoch cut to whole batches (EpochBatches)."""
     workers = cfg.num_workers
+    batching = dict(batch_sampler=EpochBatches(sampler, batch_size)) if endless else \
+        dict(batch_size=batch_size, sampler=sampler, drop_last=drop_last)
     return DataLoader(
-        ds, batch_size=batch_size, sampler=sampler, num_workers=workers,
-        pin_memory=cfg.pin_memory and torch.cuda.is_available(), drop_last=drop_last,
+        ds, **batching, num_workers=workers, pin_memory=cfg.pin_memory and torch.cuda.is_available(),
         persistent_workers=cfg.persistent_workers and workers > 0, worker_init_fn=ignore_stop_signals,
         prefetch_factor=cfg.prefetch_factor if workers > 0 else None)
 

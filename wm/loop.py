@@ -96,12 +96,16 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 
 class BatchStream:
-    """The loader as an endless stream of batches in the resumable sampler's order: where the loader
-    runs dry the next epoch starts, and a batch counts as consumed (`sampler.advance`) once it is
-    handed out, so at a step boundary the sampler's state is exactly where a resumed run continues."""
+    """The loader (make_loader(..., endless=True): every epoch in one iterator) as a stream of
+    batches in the resumable sampler's order. A batch counts as consumed (`sampler.advance`) once it
+    is handed out, and once an epoch's whole batches are out the sampler moves to the next epoch
+    (past the tail its drop_last left), so at a step boundary the sampler's state is exactly where a
+    resumed run continues. A loader that does end (a finite one) is started again."""
 
     def __init__(self, loader, sampler: ResumableSampler, global_batch: int):
         self.loader, self.sampler, self.global_batch = loader, sampler, global_batch
+        self.rank_batch = global_batch // sampler.world_size
+        self.left = len(sampler) // self.rank_batch  # this epoch's batches not yet handed out
         self.it = self._new_iter()
 
     def _new_iter(self):
@@ -112,15 +116,17 @@ class BatchStream:
             return start_workers(self.loader)
 
     def __call__(self) -> dict:
-        while True:
-            try:
-                b = next(self.it)
-                break
-            except StopIteration:
-                if self.sampler.consumed:  # the loader's drop_last left a tail: that epoch is over
-                    self.sampler.set_epoch(self.sampler.epoch + 1)
-                self.it = self._new_iter()
+        if self.left == 0:  # the epoch's whole batches are out
+            if self.sampler.consumed:  # drop_last left a tail: that epoch is over
+                self.sampler.set_epoch(self.sampler.epoch + 1)
+            self.left = len(self.sampler) // self.rank_batch
+        try:
+            b = next(self.it)
+        except StopIteration:  # a finite loader: its next pass
+            self.it = self._new_iter()
+            b = next(self.it)
         self.sampler.advance(self.global_batch)
+        self.left -= 1
         return b
 
 
@@ -252,7 +258,7 @@ def stage_parts(stage, cfg: Config, d: D.Dist, device: torch.device, dtype) -> S
     opt = make_optimizer(model, s, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     sampler = ResumableSampler(len(stage.train_ds), d.world_size, d.rank, seed=cfg.run.seed, drop_last=True)
-    loader = make_loader(stage.train_ds, sampler, cfg.loader, batch, drop_last=True)
+    loader = make_loader(stage.train_ds, sampler, cfg.loader, batch, endless=True)
     per_rank_batches = batches_per_rank(stage.name, len(stage.train_ds), d.world_size, batch, s.grad_accum)
     steps_per_epoch = per_rank_batches // s.grad_accum
     return StageParts(model, batch, opt, scaler, sampler, loader, steps_per_epoch, stage_total(s, 0, sampler, batch))
