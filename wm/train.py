@@ -103,8 +103,13 @@ def _collective_failure(e: BaseException) -> bool:
     if isinstance(e, torch.distributed.DistError):
         return True
     text = str(e).lower()
-    return any(w in text for w in ("gloo", "nccl", "timed out", "connection closed", "connection reset",
-                                   "broken pipe", "watchdog"))
+    return any(w in text for w in ("gloo", "nccl", "timed out", "timeout", "connection closed",
+                                   "connection reset", "broken pipe", "watchdog"))
+
+
+def _timed_out(e: BaseException) -> bool:
+    # gloo says "Timed out waiting ..." in one collective, "Application timeout caused pair closure" in another
+    return any(w in str(e).lower() for w in ("timed out", "timeout"))
 
 
 def main(argv=None, stop: Optional[Preemption] = None) -> int:
@@ -158,7 +163,8 @@ def main(argv=None, stop: Optional[Preemption] = None) -> int:
             if not d.active or not _collective_failure(e):
                 raise
             broken = True  # destroying a group whose peer is gone can block: leave it to exit
-            raise WMError(f"rank {d.rank}: a collective failed ({str(e).strip().splitlines()[0][:200]}); "
+            what = f"timed out after ddp.timeout_s={cfg.ddp.timeout_s:g} s" if _timed_out(e) else "failed"
+            raise WMError(f"rank {d.rank}: a collective {what} ({str(e).strip().splitlines()[0][:200]}); "
                           "another rank died or hung (see its log). Checkpoints are intact: rerun the "
                           "same command to resume") from None
         finally:
