@@ -105,7 +105,6 @@ class BatchStream:
     def __init__(self, loader, sampler: ResumableSampler, global_batch: int):
         self.loader, self.sampler, self.global_batch = loader, sampler, global_batch
         self.rank_batch = global_batch // sampler.world_size
-        self.left = len(sampler) // self.rank_batch  # this epoch's batches not yet handed out
         self.it = self._new_iter()
 
     def _new_iter(self):
@@ -116,17 +115,14 @@ class BatchStream:
             return start_workers(self.loader)
 
     def __call__(self) -> dict:
-        if self.left == 0:  # the epoch's whole batches are out
-            if self.sampler.consumed:  # drop_last left a tail: that epoch is over
-                self.sampler.set_epoch(self.sampler.epoch + 1)
-            self.left = len(self.sampler) // self.rank_batch
+        if len(self.sampler) < self.rank_batch:  # the epoch's whole batches are out: drop_last left a tail
+            self.sampler.set_epoch(self.sampler.epoch + 1)
         try:
             b = next(self.it)
         except StopIteration:  # a finite loader: its next pass
             self.it = self._new_iter()
             b = next(self.it)
         self.sampler.advance(self.global_batch)
-        self.left -= 1
         return b
 
 
