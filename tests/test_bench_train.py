@@ -121,16 +121,22 @@ def test_a_bad_stage_batch_is_one_line(B, bad, capsys):
 
 
 def test_scaling_report_divides_samples_per_s(tmp_path, B, capsys):
-    def fake(ws, sps):
+    def fake(ws, sps, median_ms):
         return {"machine": {"world_size": ws},
-                "results": [{"stage": "world", "variant": "bf16", "status": "ok", "batch": 4, "samples_per_s": sps}]}
+                "results": [{"stage": "world", "variant": "bf16", "status": "ok", "batch": 4, "samples_per_s": sps,
+                             "step_ms": 4 * ws / sps * 1e3, "step_ms_median": median_ms}]}
 
-    a, b = tmp_path / "a.json", tmp_path / "b.json"
-    a.write_text(json.dumps(fake(1, 10.0)))
-    b.write_text(json.dumps(fake(2, 19.5)))
-    assert B.main(["--scaling", str(a), str(b)]) == 0
+    paths = {}
+    for ws, sps, median in ((1, 10.0, 400.0), (2, 19.5, 400.0), (4, 35.0, 420.0)):
+        paths[ws] = tmp_path / f"{ws}.json"
+        paths[ws].write_text(json.dumps(fake(ws, sps, median)))
+    assert B.main(["--scaling", str(paths[1]), str(paths[2])]) == 0
     text = capsys.readouterr().out
-    assert "1.95x" in text and "PASS  world bf16" in text
+    assert "1.95x" in text and "PASS  world bf16: 1.95x >= 1.90x" in text
+    # 4 GPUs are held to 3.8x; the median steps (400 vs 420 ms) say 4 x 400 / 420 = 3.81x
+    assert B.main(["--scaling", str(paths[1]), str(paths[4])]) == 0
+    text = capsys.readouterr().out
+    assert "FAIL  world bf16: 3.50x >= 3.80x" in text and "3.81x" in text and "457.1 / 420.0" in text
 
 
 # ---------------------------------------------------------------------------------------------

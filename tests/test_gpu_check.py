@@ -78,3 +78,29 @@ def test_a_step_row_fails_beyond_the_tolerance_or_on_a_bucket_stride_warning():
     assert G.step_rows("ddp", res(float("nan"), 4.0), a)[0]["status"] == "FAIL"
     r = G.step_rows("ddp", res(2.0, 4.0, ["Grad strides do not match bucket view strides."]), a)[0]
     assert r["status"] == "FAIL" and r["detail"].startswith("DDP: Grad strides do not match")
+
+
+def test_the_cuda_tests_row_names_the_first_failure_and_its_message():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    G = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(G)
+    msg = ("wm.errors.DataError: writing /tmp/pytest-of-root/t0/data/train-00000.h5 with zstd3 needs the "
+           "hdf5plugin package: pip install hdf5plugin (or use compression gzip1, readable by stock HDF5)")
+    out = ["..E.", "=========================== short test summary info ============================",
+           f"ERROR tests/test_bench_train.py::test_train_step_on_cuda_never_waits_for_the_gpu[tokenizer] - {msg}",
+           "FAILED tests/test_world.py::test_other - AssertionError: 1 != 2",
+           "1 failed, 2 passed, 1 error in 3.00s"]
+
+    class Done:  # a finished `pytest -m cuda` process
+        returncode = 1
+
+        def communicate(self, timeout=None):
+            return "\n".join(out) + "\n", ""
+
+    r = G.cuda_tests(Done(), 10.0)
+    assert r["status"] == "FAIL" and r["detail"].startswith("1 failed, 2 passed, 1 error in 3.00s; first: tests/test_bench_train.py")
+    # the middle of a long line goes; the test's name and the message's end stay
+    assert "never_waits_for_the_gpu[tokenizer]" in r["detail"] and r["detail"].endswith("readable by stock HDF5)")
+    assert "FAILED tests/test_world.py::test_other" in r["output"]
+    Done.returncode = 0
+    assert G.cuda_tests(Done(), 10.0) == G.row("cuda tests", "PASS", "1 failed, 2 passed, 1 error in 3.00s")

@@ -19,7 +19,10 @@ torch.utils.flop_counter through wm.loop.count_flops, over the bf16 matrix-produ
 measures on the same card in the same run with a big matmul; fp32 variants also against the
 fp32 peak as train.py runs it, i.e. with TF32; on a CPU the fp32 peak), max allocated memory (GiB,
 reset per variant; "act" = that peak minus what was allocated before the timed steps), and the
-data-wait fraction (host time the step waited for the loader, over the total). The on-the-fly
+data-wait fraction (host time the step waited for the loader, over the total). The JSON also
+keeps every timed step (`step_ms_each`, from the GPU's clock, the slowest rank's; p90 and max) and
+the host's time to queue each (`host_queue_ms_each`): a mean step above the median is a few slow
+steps, and a queue time near the step time means the host, not the GPU, sets the pace. The on-the-fly
 variants' FLOPs include the frozen encoder's forward: it is work the step does.
 
 Variants (`--variants`, comma-separated; each runs for every stage of `--stages`):
@@ -53,7 +56,8 @@ where hdf5plugin is missing).
 DDP: under torchrun every rank runs every variant, rank 0 prints and writes the JSON; samples/s is
 global, step time the slowest rank's, memory the largest. Give the batch the 1-GPU run found
 (`--batches 8`): an out-of-memory on one rank only would leave the other waiting in a collective
-until ddp.timeout_s. `--scaling a.json b.json` then prints b's samples/s over a's per variant.
+until ddp.timeout_s. `--scaling a.json b.json` then prints b's samples/s over a's per variant,
+against 0.95x per GPU (1.9x on 2, 3.8x on 4), and the ratio the median steps give.
 
 The extrapolation: OccWorld's whole recipe (wzzheng/OccWorld: config/train_vqvae.py,
 config/train_occworld.py, dataset/dataset.py) is 200 tokenizer epochs and 200 world-model epochs,
@@ -109,7 +113,7 @@ OCCWORLD = {"train_scenes": 700, "samples_per_scene": 5, "tokenizer_epochs": 200
             # OccWorld's own code, one H200: fp32 batch 1
             "ref_card": "H200", "ref_tokenizer_frames_per_s": 67.6, "ref_world_samples_per_s": 5.0}
 TARGETS = {"speedup_vs_occworld": 10.0, "mfu": 0.30, "gpu_hours": 8.0, "data_wait": 0.05,
-           "ckpt_blocked_ratio": 0.10, "ckpt_act_mem_ratio": 1 / 3, "ckpt_time_ratio": 1.25, "ddp_scaling": 1.9}
+           "ckpt_blocked_ratio": 0.10, "ckpt_act_mem_ratio": 1 / 3, "ckpt_time_ratio": 1.25, "ddp_scaling_per_gpu": 0.95}
 
 
 def say(d, *a, **k):
@@ -285,7 +289,7 @@ class Bench:
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
                 before = torch.cuda.memory_allocated(device)
-            per_step, wait, samples, skipped, marks, prev = [], 0.0, 0, 0, [], None
+            per_step, host, wait, samples, skipped, marks, prev = [], [], 0.0, 0, 0, [], None
             t0 = time.perf_counter()
             for _ in range(a.steps):
                 ts = time.perf_counter()
@@ -293,11 +297,12 @@ class Bench:
                     marks.append(torch.cuda.Event(enable_timing=True))
                     marks[-1].record()
                 r = runner.step()
+                host.append(time.perf_counter() - ts)  # on CUDA: the time to queue the step
                 if prev is not None:  # as fit reads them: the previous step's, once this one is queued
                     skipped += prev.outcome()[0]
                 prev = r
                 if not self.cuda:  # a CPU runs the step synchronously: host times are step times
-                    per_step.append(time.perf_counter() - ts)
+                    per_step.append(host[-1])
                 wait += r.data_wait_s
                 samples += r.samples
             if self.cuda:
@@ -315,6 +320,12 @@ class Bench:
         total = self._agree(total, "max")
         wait_frac = self._agree(wait / total, "max")
         median = self._agree(statistics.median(per_step), "max")
+        # each step's time, the slowest rank's: where a mean above the median comes from (one
+        # stall, every epoch's first step, or a rank that lags at random)
+        each = [1e3 * self._agree(t, "max") for t in per_step]
+        # the host's time to queue each step (slowest rank): near the step time, a host hiccup on
+        # any rank stalls every GPU
+        queued = [1e3 * self._agree(t, "max") for t in host]
         if peak is not None:
             act = self._agree((peak - before) / 2**30, "max")
             peak = self._agree(peak / 2**30, "max")
@@ -333,6 +344,8 @@ class Bench:
                "window_frames": 1 if stage == "tokenizer" else cfg.data.window,
                "steps": a.steps, "warmup": warmup,
                "step_ms": 1e3 * total / a.steps, "step_ms_median": 1e3 * median,
+               "step_ms_p90": p90(each), "step_ms_max": max(each), "step_ms_each": each,
+               "host_queue_ms_median": statistics.median(queued), "host_queue_ms_each": queued,
                "samples_per_s": sps, "flops_per_sample": flops_per_sample,
                "flops_per_step": flops_per_sample * runner.batch * s.grad_accum * d.world_size,
                "tflops_per_s": achieved / 1e12, "max_mem_gib": peak, "act_mem_gib": act,
@@ -619,27 +632,38 @@ def table(results: list) -> str:
     return "\n".join(lines)
 
 
+def p90(xs: list) -> float:
+    """The 90th percentile (linear between the closest ranks, as numpy's default)."""
+    return statistics.quantiles(xs, n=10, method="inclusive")[8] if len(xs) > 1 else xs[0]
+
+
 def scaling_report(a_path: str, b_path: str) -> int:
     a, b = (json.loads(Path(p).read_text()) for p in (a_path, b_path))
     wa, wb = a["machine"]["world_size"], b["machine"]["world_size"]
+    # the targets: 1.9x on 2 GPUs, 3.8x on 4, ... over one
+    target = TARGETS["ddp_scaling_per_gpu"] * wb / wa
     print(f"samples/s of {b_path} ({wb} GPUs) over {a_path} ({wa} GPUs), per variant "
-          f"(target for 2 over 1: >= {TARGETS['ddp_scaling']}x)")
-    print(f"{'stage':<10}{'variant':<18}{'batch/GPU':>10}{'samples/s a':>13}{'samples/s b':>13}{'ratio':>8}{'per GPU':>9}")
-    ok_all, n = True, 0
+          f"(target: >= {target:.2f}x)")
+    print(f"{'stage':<10}{'variant':<18}{'batch/GPU':>10}{'samples/s a':>13}{'samples/s b':>13}{'ratio':>8}"
+          f"{'per GPU':>9}{'by median':>11}   step ms b: mean / median / p90 / max")
+    n = 0
     for rb in b["results"]:
         ra = find(a["results"], rb["stage"], rb["variant"])
         if ra is None or rb.get("status") != "ok" or "samples_per_s" not in rb:
             continue
         ratio = rb["samples_per_s"] / ra["samples_per_s"]
         eff = ratio * wa / wb
+        # what the typical step gives: a mean above the median is a few slow steps, not every one
+        by_median = (f"{wb / wa * ra['step_ms_median'] / rb['step_ms_median']:.2f}x"
+                     if "step_ms_median" in ra and "step_ms_median" in rb else "-")
+        spread = " / ".join(f"{rb[k]:.1f}" if k in rb else "-"
+                            for k in ("step_ms", "step_ms_median", "step_ms_p90", "step_ms_max"))
         same = "" if ra["batch"] == rb["batch"] else f"  (batch per GPU {ra['batch']} vs {rb['batch']}: not comparable)"
         print(f"{rb['stage']:<10}{rb['variant']:<18}{rb['batch']:>10}{ra['samples_per_s']:>13.2f}"
-              f"{rb['samples_per_s']:>13.2f}{ratio:>7.2f}x{100 * eff:>8.0f}%{same}")
+              f"{rb['samples_per_s']:>13.2f}{ratio:>7.2f}x{100 * eff:>8.0f}%{by_median:>11}   {spread}{same}")
         n += 1
-        if wa == 1 and wb == 2 and not same:
-            ok = ratio >= TARGETS["ddp_scaling"]
-            ok_all &= ok
-            print(f"{'PASS' if ok else 'FAIL'}  {rb['stage']} {rb['variant']}: {ratio:.2f}x >= {TARGETS['ddp_scaling']}x")
+        if wb > wa and not same:
+            print(f"{'PASS' if ratio >= target else 'FAIL'}  {rb['stage']} {rb['variant']}: {ratio:.2f}x >= {target:.2f}x")
     if not n:
         raise WMError(f"{a_path} and {b_path} have no variant in common")
     return 0

@@ -1,7 +1,7 @@
 """GPU self-check: is this machine (driver, CUDA, NCCL, Triton, torch) fit to train wm? One table,
 one row per check, PASS / FAIL / SKIP with a one-line reason; exit status 1 if any row fails.
 
-    python tools/gpu_check.py                                   # about 3-5 minutes on one host
+    python tools/gpu_check.py                                   # about 4 minutes on one host
     python tools/gpu_check.py --data /data/occ3d_nuscenes       # also the shard read speed of a data set
     python tools/gpu_check.py --cfg configs/occworld.json --set data.grid=64,64,16   # other models
     python tools/gpu_check.py --device cpu --backend aot_eager  # the same steps on a CPU (gloo; its tests)
@@ -33,6 +33,7 @@ is off by far more. The children inherit the environment (NCCL_* settings includ
 
 import argparse
 import copy
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -68,6 +69,13 @@ def row(name: str, status: str, detail: str) -> dict:
     return {"check": name, "status": status, "detail": detail}
 
 
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def versions(device: str) -> dict:
     parts = [f"torch {torch.__version__}", f"CUDA {torch.version.cuda or 'none'}"]
     if torch.backends.cudnn.is_available():
@@ -78,6 +86,8 @@ def versions(device: str) -> dict:
         parts.append(f"Triton {triton.__version__}")
     except ImportError:
         parts.append("Triton none")
+    # zstd shards (the default compression) and the tests' data sets need it: say so up front
+    parts.append("hdf5plugin " + (_version("hdf5plugin") or "none (zstd shards unreadable: pip install -r requirements.txt)"))
     if device == "cpu":
         return row("versions", "PASS", ", ".join(parts) + f"; CPU {platform.processor() or platform.machine()}, "
                    f"{os.cpu_count()} cores (--device cpu)")
@@ -98,8 +108,10 @@ def start_cuda_tests(device: str):
     """`pytest -m cuda tests` started in the background (it runs beside the step checks); None on a CPU."""
     if device == "cpu":
         return None
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests", "-p", "no:cacheprovider"]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-m", "cuda", "tests", "-p", "no:cacheprovider"]
+    # wide lines: pytest cuts its summary lines (and with them the error's message) to the terminal
+    env = {**os.environ, "COLUMNS": "400"}
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def cuda_tests(proc, timeout: float) -> dict:
@@ -116,10 +128,22 @@ def cuda_tests(proc, timeout: float) -> dict:
     summary = out[-1] if out else stderr.strip()[-200:]
     if proc.returncode == 5:  # none collected: no Triton, and no other CUDA test ran
         return row("cuda tests", "FAIL", f"no CUDA test was collected ({summary})")
-    failed = [ln.split(" ", 1)[1] for ln in out if ln.startswith(("FAILED ", "ERROR "))]
     if proc.returncode != 0:
-        return row("cuda tests", "FAIL", f"{summary}; first: {failed[0][:160] if failed else stderr[-200:]}")
+        first = first_failure(out) or stderr.strip()[-200:]
+        r = row("cuda tests", "FAIL", f"{summary}; first: {first}")
+        r["output"] = "\n".join(out)[-8000:]  # into --json: the failures in full
+        return r
     return row("cuda tests", "PASS", summary)
+
+
+def first_failure(lines: list[str]) -> str:
+    """pytest's first short-summary line, 'tests/x.py::test - Error: message', with the test's path
+    and the error's message kept (the middle is what gets cut)."""
+    for ln in lines:
+        if ln.startswith(("FAILED ", "ERROR ")):
+            text = ln.split(" ", 1)[1]
+            return text if len(text) <= 360 else text[:200] + " ... " + text[-155:]
+    return ""
 
 
 def reads(data: str, cfg, seconds: float) -> dict:
