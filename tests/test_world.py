@@ -270,18 +270,45 @@ def test_cached_rollout_is_the_full_recompute():
                 c0, m0 = m.rollout(past, past_motion, 5, future_motion=given, cache=False)
                 assert torch.equal(c1, c0)
                 assert torch.allclose(m1, m0, atol=1e-5)
-            kv: dict = {}
+            kv = m.rollout_cache(3, 8, 8, 8, torch.device("cpu"), torch.float32)
             codes, motion = torch.randint(0, 32, (3, 7, 8, 8)), torch.randn(3, 7, 3)
-            for t in (3, 4, 7):  # frames 0..2 at once, then one, then three more
-                got = m.step(codes[:, :t], motion[:, :t], kv)
+            for t0, t in ((0, 3), (3, 4), (4, 7)):  # frames 0..2 at once, then one, then three more
+                # the new frames' codes; their poses and, after the first call, the one before them
+                got = m.step(codes[:, t0:t], motion[:, max(t0 - 1, 0):t], kv)
                 ref = m.step(codes[:, :t], motion[:, :t])
                 assert torch.equal(got[0], ref[0]) and torch.allclose(got[1], ref[1], atol=1e-5), t
-            assert kv["frames"] == 7
+            assert int(kv.pos) == 7
     # past 4 + 6 steps needs 9 > max_frames=8 input frames: the window slides, no cache, same as before
     with torch.no_grad():
         c1, _ = m.rollout(past, past_motion, 6, cache=True)
         c0, _ = m.rollout(past, past_motion, 6, cache=False)
     assert torch.equal(c1, c0)
+
+
+def test_a_compiled_rollout_is_two_graphs_whatever_its_length():
+    # with the rollout cache every step after the first has the same shapes: compiled, a 6-step
+    # rollout is the past frames' graph and one frame's, and the next rollout compiles nothing
+    torch.manual_seed(0)
+    m = WorldModel(tiny_cfg(max_frames=16, temporal_layers=2, pose_layers=2), 32).eval()
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(m.step, backend=count, dynamic=False)
+    past, past_motion = torch.randint(0, 32, (2, 5, 8, 8)), torch.randn(2, 5, 3)
+    try:
+        with torch.no_grad():
+            ref = m.rollout(past, past_motion, 6)
+            got = m.rollout(past, past_motion, 6, step=step)
+            assert len(graphs) == 2
+            m.rollout(torch.randint(0, 32, (2, 5, 8, 8)), torch.randn(2, 5, 3), 6, step=step)
+            assert len(graphs) == 2
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got[0], ref[0]) and torch.allclose(got[1], ref[1], atol=1e-5)
 
 
 def test_motion_helpers_and_constant_velocity_prior():

@@ -212,7 +212,8 @@ class Forecaster:
         self.world = world.to(self.device).eval().requires_grad_(False)
         self._encode, self._step, self._decode = self.tokenizer.encode, self.world.step, self.tokenizer.decode
         if compile is not None:
-            self._encode, self._step, self._decode = (torch.compile(fn, mode=compile)
+            # static shapes: one graph per batch size, and a rollout's steps after the first share one
+            self._encode, self._step, self._decode = (torch.compile(fn, mode=compile, dynamic=False)
                                                       for fn in (self._encode, self._step, self._decode))
 
     @classmethod

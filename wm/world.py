@@ -146,7 +146,7 @@ def _ffn(c: int, mult: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(c, mult * c), nn.GELU(), nn.Linear(mult * c, c))
 
 
-def short_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def short_causal_attention(q: Tensor, k: Tensor, v: Tensor, at: Tensor | None = None) -> Tensor:
     """Causal softmax attention over a SHORT sequence (the frames of one window: T <= 16), written as
     two batched matmuls. Same function as F.scaled_dot_product_attention(..., is_causal=True), but
     for T = 11 and head dims 16-64 the fused kernels (flash, cuDNN, mem-efficient), tiled for long
@@ -154,26 +154,46 @@ def short_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     size (40 000 cells x 8 heads x 11 frames x 16): cuDNN (SDPA's pick) 14.6 ms, flash 23.9,
     mem-efficient 11.4, SDPA's math path 7.5, this 6.6. On CUDA, TemporalLayer takes the Triton
     kernels of wm.kernels.temporal_attention instead (kernels.temporal_attention; 0.7 ms at that size on an
-    H100). Long sequences (the tokenizer's and the pose layer's spatial attention) keep SDPA. q may hold
-    fewer frames than k, v: then they are the last ones (a rollout step with the earlier frames' keys
-    and values cached)."""
-    tq, tk = q.shape[-2], k.shape[-2]  # tq < tk: the queries are the last tq of tk frames (cached rollout)
+    H100). Long sequences (the tokenizer's and the pose layer's spatial attention) keep SDPA. `at`
+    (tq,) long: the queries' frame positions among the keys' (a rollout step against the cached
+    keys and values, RolloutCache; keys after a query's position are masked); default: q, k, v are
+    the same frames."""
+    tq, tk = q.shape[-2], k.shape[-2]
     a = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
-    mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).triu(tk - tq + 1)
+    if at is None:
+        mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).triu(1)
+    else:  # a tensor, not a host int: every rollout step after the first has the same shapes and graph
+        mask = torch.arange(tk, device=q.device)[None, :] > at[:, None]
     a = a.masked_fill(mask, float("-inf")).softmax(-1)
     return a.to(v.dtype) @ v
 
 
-def _cached(cache: dict | None, layer: nn.Module, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """Keys and values (..., T, d) of the frames so far: `cache` holds this layer's from the earlier
-    calls of a rollout (WorldModel.rollout), the new frames' are appended to them."""
-    if cache is None:
+class RolloutCache:
+    """The attention keys and values of a rollout's frames so far (WorldModel.rollout_cache): one
+    zeroed pair of buffers per attention layer, `length` frames long (the rollout's longest input),
+    and `pos`, the frames written (a 0-d long tensor on the device). Fixed lengths and a position on
+    the device make every step after the first the same computation on the same shapes: a compiled
+    step is two graphs (the past frames, then one frame), and a CUDA graph records it as it is."""
+
+    def __init__(self, buffers: list[tuple[Tensor, Tensor]], length: int, device: torch.device):
+        self.buffers, self.length = buffers, length
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+
+
+# a rollout's cache as the attention layers see it in one call: the cache and the new frames' positions
+_KV = tuple[RolloutCache, Tensor]
+
+
+def _cached(kv: _KV | None, layer: nn.Module, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Keys and values (..., T, d) for the attention: the new frames' written into the layer's
+    buffers at their positions, and the whole buffers returned (slots not yet written are masked)."""
+    if kv is None:
         return k, v
-    if layer in cache:
-        k0, v0 = cache[layer]
-        k, v = torch.cat([k0, k], -2), torch.cat([v0, v], -2)
-    cache[layer] = (k, v)
-    return k, v
+    cache, at = kv
+    kb, vb = cache.buffers[layer.cache_slot]
+    kb.index_copy_(kb.dim() - 2, at, k.to(kb.dtype))
+    vb.index_copy_(vb.dim() - 2, at, v.to(vb.dtype))
+    return kb, vb
 
 
 class TemporalLayer(nn.Module):
@@ -186,12 +206,16 @@ class TemporalLayer(nn.Module):
         self.norm1, self.qkv, self.proj = nn.LayerNorm(c), nn.Linear(c, 3 * c), nn.Linear(c, c)
         self.norm2, self.ffn = nn.LayerNorm(c), _ffn(c, ffn_mult)
 
-    def _use_kernel(self, qkv: Tensor, cache: dict | None) -> bool:
+    def kv_shape(self, batch: int, cells: int, length: int) -> tuple[int, ...]:
+        """The shape of this layer's rollout keys (and values): (B, cells, heads, frames, d)."""
+        return batch, cells, self.heads, length, self.proj.out_features // self.heads
+
+    def _use_kernel(self, qkv: Tensor, cache: _KV | None) -> bool:
         """The Triton kernel (the fused_attention flag) where it takes qkv, for a whole window (no rollout
         cache: the kernel's queries and keys are the same frames); never while exporting (ONNX has no such op)."""
         return cache is None and kernels.use(kernels.temporal_attention, self.fused, qkv, self.heads) and not _exporting()
 
-    def forward(self, x: Tensor, cache: dict | None = None) -> Tensor:
+    def forward(self, x: Tensor, cache: _KV | None = None) -> Tensor:
         b, t, s, c = x.shape
         qkv = self.qkv(self.norm1(x))
         if self._use_kernel(qkv, cache):
@@ -199,7 +223,8 @@ class TemporalLayer(nn.Module):
         else:  # q, k, v (B, S, heads, T, d): attention over the frame axis
             q, k, v = qkv.reshape(b, t, s, 3, self.heads, c // self.heads).permute(3, 0, 2, 4, 1, 5)
             k, v = _cached(cache, self, k, v)
-            o = short_causal_attention(q, k, v).permute(0, 3, 1, 2, 4).reshape(b, t, s, c)
+            at = None if cache is None else cache[1]
+            o = short_causal_attention(q, k, v, at).permute(0, 3, 1, 2, 4).reshape(b, t, s, c)
         x = x + self.proj(o)
         return x + self.ffn(self.norm2(x))
 
@@ -217,15 +242,19 @@ class PoseLayer(nn.Module):
         self.q, self.kv, self.proj2 = nn.Linear(c, c), nn.Linear(c, 2 * c), nn.Linear(c, c)
         self.norm3, self.ffn = nn.LayerNorm(c), _ffn(c, ffn_mult)
 
-    def forward(self, p: Tensor, x: Tensor, cache: dict | None = None) -> Tensor:
+    def kv_shape(self, batch: int, cells: int, length: int) -> tuple[int, ...]:
+        """The shape of this layer's rollout keys (and values) over time: (B, heads, frames, d)."""
+        return batch, self.heads, length, self.proj1.out_features // self.heads
+
+    def forward(self, p: Tensor, x: Tensor, cache: _KV | None = None) -> Tensor:
         b, t, c = p.shape
         hd, d = self.heads, c // self.heads
         q, k, v = self.qkv(self.norm1(p)).reshape(b, t, 3, hd, d).permute(2, 0, 3, 1, 4)
-        k, v = _cached(cache, self, k, v)
-        if k.shape[-2] == t:
+        if cache is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # SDPA's is_causal aligns the mask top-left; the queries here are the last t frames
-            o = short_causal_attention(q, k, v)
+        else:  # the cached frames' keys: the queries sit at the cache's positions
+            k, v = _cached(cache, self, k, v)
+            o = short_causal_attention(q, k, v, cache[1])
         p = p + self.proj1(o.transpose(1, 2).reshape(b, t, c))
         cells = self.norm_kv(x.flatten(2).transpose(1, 2))  # (B*T, hw, C)
         k, v = self.kv(cells).reshape(b * t, -1, 2, hd, d).permute(2, 0, 3, 1, 4)
@@ -325,6 +354,9 @@ class WorldModel(nn.Module):
             order += [*lvl.temporal, *lvl.pose, *blocks]
         for i, blk in enumerate(order):
             blk.block_index = i
+        # each attention layer's pair of buffers in a RolloutCache, in the order rollout_cache lays them out
+        for i, layer in enumerate(a for lvl in [*self.enc_levels, *self.dec_levels] for a in [*lvl.temporal, *lvl.pose]):
+            layer.cache_slot = i
         if channels_last:  # .to(device) and load_state_dict keep it
             self.to(memory_format=torch.channels_last)
 
@@ -347,7 +379,7 @@ class WorldModel(nn.Module):
     def _ckpt_active(self) -> bool:
         return self.checkpoint_every > 0 and self.training and torch.is_grad_enabled()
 
-    def _call(self, blk: nn.Module, *args: Tensor, cache: dict | None = None) -> Tensor:
+    def _call(self, blk: nn.Module, *args: Tensor, cache: _KV | None = None) -> Tensor:
         """Run one block, activation-checkpointed if it is every k-th block (by its block_index);
         `cache` (attention layers, rollout only) holds the earlier frames' keys and values."""
         if self._ckpt_active() and blk.block_index % self.checkpoint_every == 0:
@@ -355,7 +387,7 @@ class WorldModel(nn.Module):
         return blk(*args) if cache is None else blk(*args, cache=cache)
 
     def _level(self, lvl: _Level, x: Tensor, p: Tensor, b: int, t: int,
-               cache: dict | None = None) -> tuple[Tensor, Tensor]:
+               cache: _KV | None = None) -> tuple[Tensor, Tensor]:
         """x (B*T, C, h, w), p (B, T, C) -> same shapes after conditioning, temporal and pose layers."""
         _, c, h, w = x.shape
         x = x + lvl.cond(p).reshape(b * t, c, 1, 1)
@@ -369,29 +401,32 @@ class WorldModel(nn.Module):
             p = self._call(layer, p, x, cache=cache)
         return x, p
 
-    def _trunk(self, codes: Tensor, motion: Tensor, cache: dict | None = None) -> tuple[Tensor, Tensor]:
+    def _trunk(self, codes: Tensor, motion: Tensor, cache: RolloutCache | None = None) -> tuple[Tensor, Tensor]:
         """codes (B,T,h,w), motion (B,T,3) -> scene features (B*T, widths[0], h, w), pose tokens (B,T,widths[0]).
 
-        With `cache` (a rollout's, see rollout), only the frames after the cache["frames"] that earlier
-        calls processed run through the trunk, and only their features come back: every layer is per
-        frame or causal over time, so the earlier frames' outputs cannot change, and the attention
-        layers take the earlier frames' keys and values from the cache."""
+        With `cache` (a rollout's, see rollout), codes are only the frames after the cache.pos that
+        earlier calls processed, motion their poses and, after the first call, the pose before them
+        (a displacement needs it): every layer is per frame or causal over time, so the earlier
+        frames' outputs cannot change, and the attention layers take their keys and values from the
+        cache."""
         b, t, h, w = codes.shape
         if t > self.cfg.max_frames:
             raise ValueError(f"world model: {t} input frames exceed max_frames={self.cfg.max_frames}")
-        if tuple(motion.shape) != (b, t, 3):
+        if tuple(motion.shape) not in ([(b, t, 3)] if cache is None else [(b, t, 3), (b, t + 1, 3)]):
             raise ValueError(f"world model: motion must be {(b, t, 3)}, got {tuple(motion.shape)}")
-        t0 = 0 if cache is None else cache.get("frames", 0)
-        if cache is not None:
-            cache["frames"] = t
-        x = self.code_embed(codes[:, t0:].long()) + self.frame_embed[t0:t, None, None, :]  # (B, T, h, w, C)
-        feats = motion_features(motion.to(x.dtype), self.cfg.motion_scale)[:, t0:]  # t0's needs frame t0 - 1
-        t -= t0
+        if cache is None:
+            kv, frame, pose_frame = None, self.frame_embed[:t], self.pose_frame_embed[:t]
+        else:
+            at = cache.pos + torch.arange(t, device=codes.device)  # the new frames' positions
+            kv, frame, pose_frame = (cache, at), self.frame_embed[at], self.pose_frame_embed[at]
+            cache.pos.add_(t)
+        x = self.code_embed(codes.long()) + frame[:, None, None, :]  # (B, T, h, w, C)
+        feats = motion_features(motion.to(x.dtype), self.cfg.motion_scale)[:, -t:]
         x = x.permute(0, 1, 4, 2, 3).reshape(b * t, -1, h, w)
-        p = self.pose_in(feats) + self.pose_frame_embed[t0:t0 + t]
+        p = self.pose_in(feats) + pose_frame
         skips = []
         for lvl, blocks, pmlp, down in zip(self.enc_levels, self.enc_blocks, self.enc_pose, self.downs):
-            x, p = self._level(lvl, x, p, b, t, cache)
+            x, p = self._level(lvl, x, p, b, t, kv)
             for blk in blocks:
                 x = self._call(blk, x)
             p = pmlp(p)
@@ -408,7 +443,7 @@ class WorldModel(nn.Module):
             x = channels_last_grad(up(x))[..., : sx.shape[-2], : sx.shape[-1]]
             x = torch.cat([x, sx], 1)
             p = torch.cat([pup(p), sp], -1)
-            x, p = self._level(lvl, x, p, b, t, cache)
+            x, p = self._level(lvl, x, p, b, t, kv)
             for blk in blocks:
                 x = self._call(blk, x)
             p = pmlp(p)
@@ -472,17 +507,32 @@ class WorldModel(nn.Module):
         res["logits"], res["motion"] = out["logits"], out["motion"]
         return res
 
-    def step(self, codes: Tensor, motion: Tensor, cache: dict | None = None) -> tuple[Tensor, Tensor]:
+    def step(self, codes: Tensor, motion: Tensor, cache: RolloutCache | None = None) -> tuple[Tensor, Tensor]:
         """One rollout step: codes (B,T,h,w), motion (B,T,3) of the frames so far (2 <= T <= max_frames)
         -> the next frame's argmax codes (B,h,w) long and predicted motion (B,3). What export's
-        `world_step` graph computes; the host loop (or rollout) appends and calls it again. `cache`:
-        see rollout (the frames must then be those of the previous call plus new ones)."""
+        `world_step` graph computes; the host loop (or rollout) appends and calls it again. With
+        `cache` (rollout_cache): only the frames not yet in it, see _trunk."""
         x, p = self._trunk(codes, motion, cache)
         b = codes.shape[0]
         x_last = x.reshape(b, -1, *x.shape[1:])[:, -1]
         nxt = self.out_conv(F.silu(self.out_norm(x_last))).argmax(1)
         m = motion.to(p.dtype)
         return nxt, self._next_motion(p[:, -1], m[:, -1], displacement(m[:, -2:])[:, -1])
+
+    def rollout_cache(self, batch: int, h: int, w: int, length: int, device: torch.device,
+                      dtype: torch.dtype) -> RolloutCache:
+        """Zeroed key/value buffers of `length` frames for every attention layer, for rollouts of
+        `batch` (h, w) token maps (zeros: a masked slot must still be finite, 0 x NaN is NaN)."""
+        sizes = [(h, w)]  # each level's map: the stride-2 convs halve it, rounding up
+        for _ in self.enc_levels[1:]:
+            sizes.append(((sizes[-1][0] + 1) // 2, (sizes[-1][1] + 1) // 2))
+        buffers = []
+        for lvl, (lh, lw) in zip([*self.enc_levels, *self.dec_levels], [*sizes, *reversed(sizes)]):
+            for layer in [*lvl.temporal, *lvl.pose]:
+                shape = layer.kv_shape(batch, lh * lw, length)
+                buffers.append((torch.zeros(shape, device=device, dtype=dtype),
+                                torch.zeros(shape, device=device, dtype=dtype)))
+        return RolloutCache(buffers, length, device)
 
     def rollout(
         self, past_codes: Tensor, past_motion: Tensor, steps: int, future_motion: Tensor | None = None,
@@ -494,20 +544,31 @@ class WorldModel(nn.Module):
         control flow. Returns codes (B, steps, h, w) long and motion (B, steps, 3).
 
         With `cache` (while the frames fit max_frames, so no window slides and no frame changes its
-        position embedding), a step runs only the new frame through the trunk and takes the earlier
-        frames' attention keys and values from the previous steps: P + steps - 1 frame passes instead
-        of P + (P + 1) + ... (5 past + 6 future: 10 instead of 45). The same function as cache=False,
-        up to float rounding (tested).
+        position embedding), the first step runs the past frames through the trunk and each later
+        step only the new frame, its attention layers reading the earlier frames' keys and values
+        from a RolloutCache: P + steps - 1 frame passes instead of P + (P + 1) + ... (5 past + 6
+        future: 10 instead of 45), and the steps after the first all alike (one compiled graph). The
+        same function as cache=False, up to float rounding (tested).
 
         `step`: what to call for one step instead of self.step (same arguments: a compiled or timed
         self.step, see wm.forecaster)."""
         step = self.step if step is None else step
         codes = past_codes.long()
         motion = past_motion.float()
-        p_len = codes.shape[1]
-        kv = {} if cache and p_len + steps - 1 <= self.cfg.max_frames else None
+        b, p_len, h, w = codes.shape
+        kv = None
+        if cache and p_len + steps - 1 <= self.cfg.max_frames:
+            dev = codes.device  # the keys' dtype: what the attention computes in (autocast's, if on)
+            dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else self.frame_embed.dtype
+            kv = self.rollout_cache(b, h, w, p_len + steps - 1, dev, dtype)
         for s in range(steps):
-            nxt, m_next = step(codes[:, -self.cfg.max_frames :], motion[:, -self.cfg.max_frames :], kv)
+            if kv is None:
+                nxt, m_next = step(codes[:, -self.cfg.max_frames :], motion[:, -self.cfg.max_frames :], None)
+            elif s == 0:
+                nxt, m_next = step(codes, motion, kv)
+            else:  # the new frame, and the pose before it for its displacement (copies: a compiled
+                # step is specialised to its inputs' strides, and slices of the growing tensors differ)
+                nxt, m_next = step(codes[:, -1:].contiguous(), motion[:, -2:].contiguous(), kv)
             if future_motion is not None:
                 m_next = future_motion[:, s].to(motion.dtype)
             codes = torch.cat([codes, nxt[:, None]], 1)
