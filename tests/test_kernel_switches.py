@@ -103,7 +103,10 @@ def test_temporal_attention_kernel_runs_where_fused_attention_is_on(monkeypatch,
     assert torch.equal(out, layer(x))
     # a rollout step with cached keys and values never takes it (the kernel's queries are all its frames)
     layer.fused = flag
-    layer(x, cache={})
+    layer.cache_slot = 0
+    shape = layer.kv_shape(2, 3, 5)
+    cache = world.RolloutCache([(torch.zeros(shape), torch.zeros(shape))], 5, torch.device("cpu"))
+    assert torch.allclose(layer(x, cache=(cache, torch.arange(5))), out, atol=1e-6)  # the past frames at once
     assert len(calls) == flag
 
 
