@@ -105,7 +105,7 @@ def test_temporal_attention_kernel_runs_where_fused_attention_is_on(monkeypatch,
     layer.fused = flag
     layer.cache_slot = 0
     shape = layer.kv_shape(2, 3, 5)
-    cache = world.RolloutCache([(torch.zeros(shape), torch.zeros(shape))], 5, torch.device("cpu"))
+    cache = world.RolloutCache([(torch.zeros(shape), torch.zeros(shape))], torch.device("cpu"))
     assert torch.allclose(layer(x, cache=(cache, torch.arange(5))), out, atol=1e-6)  # the past frames at once
     assert len(calls) == flag
 

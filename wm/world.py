@@ -175,8 +175,8 @@ class RolloutCache:
     the device make every step after the first the same computation on the same shapes: a compiled
     step is two graphs (the past frames, then one frame), and a CUDA graph records it as it is."""
 
-    def __init__(self, buffers: list[tuple[Tensor, Tensor]], length: int, device: torch.device):
-        self.buffers, self.length = buffers, length
+    def __init__(self, buffers: list[tuple[Tensor, Tensor]], device: torch.device):
+        self.buffers = buffers
         self.pos = torch.zeros((), dtype=torch.long, device=device)
 
 
@@ -532,7 +532,7 @@ class WorldModel(nn.Module):
                 shape = layer.kv_shape(batch, lh * lw, length)
                 buffers.append((torch.zeros(shape, device=device, dtype=dtype),
                                 torch.zeros(shape, device=device, dtype=dtype)))
-        return RolloutCache(buffers, length, device)
+        return RolloutCache(buffers, device)
 
     def rollout(
         self, past_codes: Tensor, past_motion: Tensor, steps: int, future_motion: Tensor | None = None,
