@@ -269,6 +269,11 @@ class Bench:
         t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
         return float(D.all_reduce_(t, self.d, op=op).item())
 
+    def _agree_each(self, values: list) -> list:
+        """Each value's maximum over the ranks, in one collective."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return D.all_reduce_(t, self.d, op="max").tolist()
+
     def measure(self, stage: str, name: str, cfg, onthefly: bool = False) -> dict:
         """Build the variant, warm up, count the FLOPs of a step, time `--steps` steps."""
         a, d, device = self.a, self.d, self.device
@@ -322,10 +327,10 @@ class Bench:
         median = self._agree(statistics.median(per_step), "max")
         # each step's time, the slowest rank's: where a mean above the median comes from (one
         # stall, every epoch's first step, or a rank that lags at random)
-        each = [1e3 * self._agree(t, "max") for t in per_step]
+        each = [1e3 * t for t in self._agree_each(per_step)]
         # the host's time to queue each step (slowest rank): near the step time, a host hiccup on
         # any rank stalls every GPU
-        queued = [1e3 * self._agree(t, "max") for t in host]
+        queued = [1e3 * t for t in self._agree_each(host)]
         if peak is not None:
             act = self._agree((peak - before) / 2**30, "max")
             peak = self._agree(peak / 2**30, "max")

@@ -235,7 +235,11 @@ class ResumableSampler(Sampler[int]):
 
     def __len__(self) -> int:
         """Samples this rank yields from the current position to the end of the epoch."""
-        left = max(0, self.n - self.consumed)
+        return self._left(self.consumed)
+
+    def _left(self, consumed: int) -> int:
+        """Samples this rank yields from global position `consumed` to the end of an epoch."""
+        left = max(0, self.n - consumed)
         return left // self.world_size if self.drop_last else math.ceil(left / self.world_size)
 
     def __iter__(self) -> Iterator[int]:
@@ -243,9 +247,7 @@ class ResumableSampler(Sampler[int]):
 
     def indices(self, epoch: int, consumed: int) -> list[int]:
         """This rank's samples of `epoch` from global position `consumed` to the epoch's end."""
-        left = max(0, self.n - consumed)
-        per_rank = left // self.world_size if self.drop_last else math.ceil(left / self.world_size)
-        pos = consumed + self.rank + self.world_size * np.arange(per_rank)
+        pos = consumed + self.rank + self.world_size * np.arange(self._left(consumed))
         return self.order(epoch)[pos % self.n].tolist()  # modulo: the padding wraps to the start
 
     def advance(self, samples: int) -> None:
