@@ -84,6 +84,13 @@ def export(argv, progress: dict) -> int:
                     help="with --int8: after the first calibration window, stop with the --calib-windows and "
                          "--eval-windows that fit this many minutes if the estimate is over it (the estimate "
                          "is printed either way)")
+    ap.add_argument("--calib-method", choices=("entropy", "percentile", "max"), default="entropy",
+                    help="INT8 thresholds: entropy (TensorRT's EntropyCalibrator2), percentile (99.99 %% of "
+                         "the values) or max (nothing clipped)")
+    ap.add_argument("--int8-float", metavar="REGEX",
+                    help="keep float the convolutions and matrix products whose module path matches this "
+                         "regular expression (e.g. 'tok.decoder' or 'world.temporal'); the report's int8_tokenizer / "
+                         "int8_world rows say which part an INT8 drop comes from")
     ap.add_argument("--parity-windows", type=int, default=2,
                     help="with the torch engine: windows the report also runs in onnxruntime, for parity")
     ap.add_argument("--trt-version", default="10.3.0", help="TensorRT version in the calibration cache header")
@@ -176,7 +183,7 @@ def export(argv, progress: dict) -> int:
 
         full = run_int8(t, out, a.calib_windows, a.eval_windows, batch=a.batch, trt_version=a.trt_version,
                         engine=a.engine, programs=programs, parity_windows=a.parity_windows, mark=mark,
-                        budget_s=60 * a.time_budget)
+                        budget_s=60 * a.time_budget, method=a.calib_method, exclude_scopes=a.int8_float)
         report["int8"] = full["int8"]
         secs.update({f"int8_{k}": v for k, v in full["int8"]["seconds"].items() if k != "total"})
     if not a.no_trt:

@@ -309,26 +309,145 @@ def test_int8_forecaster_runs_and_report_has_every_variant(run):
 
 
 def test_drop_standard_error_is_the_spread_of_window_resamples():
-    """Two classes (free = 0), one step. The reference is right on every voxel of every window; the
-    row misses k of the 10 occupied voxels of window k. Its IoU on a resample is 1 - sum(k)/(10 W),
-    so the drop's standard error is 100 * std(k) / (10 sqrt(W)) up to the bootstrap's own noise."""
+    """Two classes (free = 0), two steps. The reference is right on every voxel of every window; the
+    row misses k of the 10 occupied voxels of window k at step 1 and none at step 2. Its step-1 IoU
+    on a resample is 1 - sum(k)/(10 W), so that step's drop has the standard error
+    100 * std(k) / (10 sqrt(W)) up to the bootstrap's own noise; step 2's is 0, and the average of
+    the two steps has half step 1's."""
     import torch
 
     from wm.export.report import drop_se
 
     W = 400
     miss = torch.arange(W) % 5  # 0..4 missed voxels, std sqrt(2)
-    ref = torch.zeros(W, 1, 2, 2, dtype=torch.int64)
-    ref[:, 0, 1, 1] = 10
+    ref = torch.zeros(W, 2, 2, 2, dtype=torch.int64)
+    ref[:, :, 1, 1] = 10
     row = ref.clone()
     row[:, 0, 1, 1] -= miss
     row[:, 0, 1, 0] += miss
     se = drop_se({"pytorch_fp32": ref, "row": row}, free=0, resamples=4000)
     want = 100 * miss.double().std(unbiased=False).item() / (10 * W ** 0.5)
-    assert se["pytorch_fp32"] == (0.0, 0.0)
-    assert se["row"][0] == pytest.approx(want, rel=0.05)  # mIoU here is the one class's IoU: the same
-    assert se["row"][1] == pytest.approx(se["row"][0], rel=1e-9)
-    assert drop_se({"pytorch_fp32": ref[:1], "row": row[:1]}, free=0)["row"] == (None, None)
+    assert se["pytorch_fp32"] == {"drop_iou_avg_se": 0.0, "drop_miou_avg_se": 0.0,
+                                  "drop_iou_se": [0.0, 0.0], "drop_miou_se": [0.0, 0.0]}
+    r = se["row"]
+    assert r["drop_iou_se"][0] == pytest.approx(want, rel=0.05) and r["drop_iou_se"][1] == 0.0
+    assert r["drop_iou_avg_se"] == pytest.approx(want / 2, rel=0.05)
+    # mIoU here is the one class's IoU: the same errors
+    assert r["drop_miou_se"] == pytest.approx(r["drop_iou_se"], rel=1e-9)
+    assert r["drop_miou_avg_se"] == pytest.approx(r["drop_iou_avg_se"], rel=1e-9)
+    one = drop_se({"pytorch_fp32": ref[:1], "row": row[:1]}, free=0)["row"]
+    assert one == {"drop_iou_avg_se": None, "drop_miou_avg_se": None, "drop_iou_se": [None, None],
+                   "drop_miou_se": [None, None]}
+
+
+def test_graph_parity_counts_what_each_graph_agrees_on():
+    """GraphParity returns the main engine's outputs and counts, per graph, the codes both engines
+    give on the same inputs, and tokenizer_decode's classes by the argmax of its logits; the world
+    step's float motion is no class and is not counted."""
+    import torch
+
+    from wm.export.report import GraphParity
+
+    def main(name, x):
+        if name == "tokenizer_decode":
+            return (torch.tensor([[[1.0, 2.0, 3.0]], [[5.0, 1.0, 0.0]]]).permute(0, 2, 1),)  # classes 2, 0
+        if name == "world_step":
+            return torch.arange(4), torch.zeros(3)
+        return (torch.arange(10),)
+
+    def other(name, x):
+        if name == "tokenizer_decode":
+            return (torch.tensor([[[1.0, 9.0, 3.0]], [[5.0, 1.0, 0.0]]]).permute(0, 2, 1),)  # classes 1, 0
+        if name == "world_step":
+            return torch.tensor([0, 1, 2, 0]), torch.ones(3)  # motion differs: not counted
+        return (torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 0, 0]),)
+
+    t = GraphParity(main, other)
+    for g in ("tokenizer_encode", "world_step", "world_step", "tokenizer_decode"):
+        out = t(g, torch.zeros(1))
+        assert all(torch.equal(a, b) for a, b in zip(out, main(g, None)))
+    assert t.counts == {"tokenizer_encode": [8, 10], "world_step": [6, 8], "tokenizer_decode": [1, 2]}
+    assert t.agreement() == {"tokenizer_encode": 0.8, "world_step": 0.75, "tokenizer_decode": 0.5}
+    assert GraphParity(main, other).agreement() == dict.fromkeys(t.counts)
+
+
+def test_mixed_runs_each_graph_on_its_engine():
+    from wm.export.report import Mixed
+
+    calls = []
+    m = Mixed(lambda n, *x: calls.append(("int8", n)) or ("q",), lambda n, *x: calls.append(("fp32", n)) or ("f",),
+              ("world_step",))
+    assert [m(g, None) for g in ("tokenizer_encode", "world_step", "tokenizer_decode")] == [("f",), ("q",), ("f",)]
+    assert calls == [("fp32", "tokenizer_encode"), ("int8", "world_step"), ("fp32", "tokenizer_decode")]
+
+
+def test_int8_float_keeps_the_matching_nodes_float_and_refuses_a_bad_pattern(run, tmp_path):
+    """--int8-float: the convolutions and matrix products of the matching module paths get no Q/DQ
+    (in TensorRT's file and onnxruntime's copy), the others keep theirs; a pattern that is no regular
+    expression, or matches nothing, is one line before any calibration."""
+    import shutil
+
+    from wm.export.qdq import _scope
+
+    for g in I.GRAPH_NAMES:
+        shutil.copy(run.out / f"{g}.onnx", tmp_path / f"{g}.onnx")
+    models = {g: onnx.load(str(tmp_path / f"{g}.onnx")) for g in I.GRAPH_NAMES}
+    with pytest.raises(I.Int8Error, match=r"--int8-float '\[' is no regular expression"):
+        I.int8_export(run.trained, tmp_path, 4, engine="onnxruntime", exclude_scopes="[", log=lambda s: None)
+    with pytest.raises(I.Int8Error, match=r"matches no convolution or matrix product; module paths are e\.g\. .*tok\."):
+        I.int8_export(run.trained, tmp_path, 4, engine="onnxruntime", exclude_scopes="no_such_module",
+                      log=lambda s: None)
+    assert not list(tmp_path.glob("*.int8.onnx"))
+    kept = I.kept_float(models, r"tok\.decoder")
+    assert kept["world_step"] == [] and kept["tokenizer_encode"] == [] and len(kept["tokenizer_decode"]) >= 2
+    I.int8_export(run.trained, tmp_path, 4, engine="onnxruntime", exclude_scopes=r"tok\.decoder", log=lambda s: None)
+    for kind in (".int8", ".int8-ort"):
+        q = onnx.load(str(tmp_path / f"tokenizer_decode{kind}.onnx"))
+        prod = producers(q)
+        fed = {n.name: any(prod.get(t) is not None and prod[t].op_type == "DequantizeLinear" for t in n.input)
+               for n in q.graph.node if n.op_type in I.QUANT_OP_TYPES}
+        in_decoder = {n.name for n in q.graph.node if n.op_type in I.QUANT_OP_TYPES and "tok.decoder" in _scope(n)}
+        assert in_decoder and not any(fed[n] for n in in_decoder), kind
+        assert any(fed[n] for n in set(fed) - in_decoder), kind  # the rest stays INT8
+
+
+def test_torch_engine_report_holds_each_graphs_parity_with_the_files(run):
+    """The GPU path's report (engine torch; here on the CPU): the rows are the emulation, and parity
+    runs the files in onnxruntime on the first windows, as rollouts and graph by graph on the torch
+    rows' own inputs. On the same inputs the FP32 file and both INT8 files compute what their torch
+    rows compute (codes and classes; a near-tie may flip), and the table prints the per-step drops."""
+    from wm.export.report import accuracy_report, format_report
+
+    cfg = run.trained.cfg
+    acc = accuracy_report(run.trained, run.out, 4, batch=2, engine="torch", device="cpu",
+                          programs=run.programs, parity_windows=3, log=lambda s: None)
+    assert acc["models"]["onnx_int8_ort"]["engine"].startswith("torch cpu (Q/DQ of the .int8-ort.onnx files")
+    p = acc["parity"]
+    assert p["windows"] == 3
+    assert set(p["graphs"]) == {"onnx_fp32_vs_pytorch_fp32", "onnx_int8_vs_emulated_int8",
+                                "onnx_int8_ort_vs_emulated_int8_ort"}
+    for k, g in p["graphs"].items():
+        assert list(g) == ["tokenizer_encode", "world_step", "tokenizer_decode"]
+        # a model trained 2 steps has near-ties everywhere: onnxruntime's integer kernels round
+        # otherwise than float ops and flip a few of them
+        assert all(x >= (0.95 if k.startswith("onnx_int8_ort") else 0.99) for x in g.values()), (k, g)
+    # graph by graph the files agree far better than the rollouts, where one flipped token moves
+    # every later frame
+    ort_rollout = p["onnx_int8_ort_vs_emulated_int8_ort"]
+    assert min(p["graphs"]["onnx_int8_ort_vs_emulated_int8_ort"].values()) >= ort_rollout
+    S = cfg.data.future
+    for v in ("onnx_fp16", "onnx_int8", "onnx_int8_ort"):
+        r = acc["models"][v]
+        assert len(r["drop_iou_se"]) == S and all(x is not None and x >= 0 for x in r["drop_miou_se"])
+    # the breakdown rows: one part INT8, the rest FP32
+    for v, part in (("int8_tokenizer", "tokenizer_encode, tokenizer_decode"), ("int8_world", "world_step")):
+        r = acc["models"][v]
+        assert r["engine"] == f"torch cpu ({part} as onnx_int8, the rest as pytorch_fp32)"
+        assert len(r["drop_miou"]) == S and all(math.isfinite(x) for x in r["drop_miou"])
+    table = format_report(acc)
+    assert "drop per future step vs pytorch_fp32" in table
+    assert "each graph on the same inputs, onnx_int8_ort_vs_emulated_int8_ort: tokenizer_encode" in table
+    assert f"t+{S} " in table.splitlines()[-5]
 
 
 def _small_model(path: Path):

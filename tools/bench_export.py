@@ -79,8 +79,11 @@ def main(argv=None) -> int:
     if (exp / "report.json").is_file():
         acc = json.loads((exp / "report.json").read_text())["accuracy"]
         res["accuracy"] = {"windows": acc["windows"], "engine": acc["engine"],
-                           "models": {k: {x: v.get(x) for x in ("iou", "miou", "iou_avg", "miou_avg", "drop_iou_avg",
-                                                               "drop_miou_avg", "ms_per_window")}
+                           "models": {k: {x: v.get(x) for x in ("iou", "miou", "iou_avg", "miou_avg", "drop_iou",
+                                                               "drop_miou", "drop_iou_se", "drop_miou_se",
+                                                               "drop_iou_avg", "drop_iou_avg_se", "drop_miou_avg",
+                                                               "drop_miou_avg_se", "agreement_vs_pytorch",
+                                                               "engine", "ms_per_window")}
                                       for k, v in acc["models"].items()}}
         if "parity" in acc:
             res["accuracy"]["parity"] = acc["parity"]

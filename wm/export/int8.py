@@ -185,6 +185,7 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
     split = split or cfg.data.train_split
     t0 = time.perf_counter()
     models = {g: _load(out_dir / f"{g}.onnx") for g in GRAPH_NAMES}
+    kept = kept_float(models, exclude_scopes)  # before the calibration's minutes: a wrong pattern is one line
     tensors = {g: quantizable_inputs(m) for g, m in models.items()}
     heads = {g: output_heads(m) for g, m in models.items()}
     wanted = {g: [t for t, users in tensors[g].items() if any(u not in heads[g] for u in users)] for g in GRAPH_NAMES}
@@ -236,8 +237,7 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
             thresholds.update({t: col.amax(t) for t in exact})
         t3 = time.perf_counter()
         mark("int8_thresholds")
-        skip = [n.name for n in model.graph.node if exclude_scopes and re.search(exclude_scopes, _scope(n))]
-        info = quantize_qdq(out_dir / f"{g}.onnx", out_dir / f"{g}.int8.onnx", thresholds, nodes_to_exclude=skip)
+        info = quantize_qdq(out_dir / f"{g}.onnx", out_dir / f"{g}.int8.onnx", thresholds, nodes_to_exclude=kept[g])
         reduced = cpu_copy(out_dir / f"{g}.int8.onnx", model, out_dir / f"{g}{CPU_INT8}.onnx")
         scales = info["scales"]
         cache = out_dir / f"{g}.calib.cache"
@@ -304,6 +304,25 @@ def time_estimate(calib: int, evals: int, rows: int, sec: float, budget_s: float
     return line
 
 
+def kept_float(models: Mapping, exclude_scopes: Optional[str]) -> dict[str, list[str]]:
+    """{graph: names of its Conv/MatMul/Gemm nodes whose module path matches `exclude_scopes`} (they
+    stay float). A pattern that is no regular expression, or that matches none of those nodes in any
+    graph, is refused with the module paths there are."""
+    if not exclude_scopes:
+        return {g: [] for g in models}
+    try:
+        pat = re.compile(exclude_scopes)
+    except re.error as e:
+        raise Int8Error(f"--int8-float {exclude_scopes!r} is no regular expression ({e})") from None
+    ops = {g: [n for n in m.graph.node if n.op_type in QUANT_OP_TYPES] for g, m in models.items()}
+    kept = {g: [n.name for n in nodes if pat.search(_scope(n))] for g, nodes in ops.items()}
+    if not any(kept.values()):
+        paths = sorted({_scope(n) for nodes in ops.values() for n in nodes} - {""})
+        raise Int8Error(f"--int8-float {exclude_scopes!r} matches no convolution or matrix product; module "
+                        f"paths are e.g. {', '.join(paths[:6])} ({len(paths)} in all)")
+    return kept
+
+
 def run_int8(trained, out_dir, calib_windows: int = 128, eval_windows: int = 64, batch: int = 2,
              trt_version: str = "10.3.0", log: Callable[[str], None] = print, engine: str = "auto",
              programs: Optional[Mapping] = None, parity_windows: int = 2,
@@ -320,6 +339,7 @@ def run_int8(trained, out_dir, calib_windows: int = 128, eval_windows: int = 64,
     _, ev, _ = windows(trained, kw.get("root"), trained.cfg.data.val_split, eval_windows, "--eval-windows",
                        lambda s: None)
     rows = 1 + sum(all(p.is_file() for p in graph_files(out_dir, k).values()) for k in ("", ".fp16")) + 2
+    rows += 2 if pick_engine(engine, "report")[0] == "torch" else 0  # INT8_PARTS' rows
 
     def estimate(calib: int, sec: float) -> None:
         log(time_estimate(calib, len(ev), rows, sec, budget_s))

@@ -15,13 +15,23 @@ Rows (IoU / mIoU in percent per future step, averaged; drops against PyTorch FP3
   weights; wm.export.forecast.QdqPlan), FP16 the modules under float16 autocast, and ``parity`` runs
   onnxruntime on the first `parity_windows` windows and gives its voxel agreement with the torch
   rows (FP32 and both INT8 files);
+- ``int8_tokenizer`` / ``int8_world`` (engine torch only, where they cost seconds): ``onnx_int8`` for
+  the tokenizer's two graphs alone or the world step alone, the other graphs FP32: which part an
+  INT8 drop comes from, so that part can be kept float (``export.py --int8-float``) or in FP16;
 - ``copy_last``: the last past frame repeated, the floor beside every number.
 
 Each row also has its voxel agreement with PyTorch FP32 and its time per window in its engine, and
-each drop its standard error (``drop_iou_avg_se``, ``drop_miou_avg_se``): a paired bootstrap over the
-held-out windows. The forecast is an argmax rollout, so a perturbation of any kind (INT8, FP16, or
-only another FP32 kernel) flips near-tied tokens and the futures that follow; the drop measured on
-64 windows then moves by about this much from one run to the next, with no change in the quantizer.
+each drop, averaged and per future step, its standard error (``drop_iou_avg_se``, ``drop_miou_se``…):
+a paired bootstrap over the held-out windows. The forecast is an argmax rollout, so a perturbation of
+any kind (INT8, FP16, or only another FP32 kernel) flips near-tied tokens and the futures that
+follow; the drop measured on 64 windows then moves by about this much from one run to the next,
+with no change in the quantizer.
+
+For the same reason the rollout parity (two engines' forecasts, voxel by voxel) mixes what the
+engines compute differently with what a flipped token does to every later frame. ``parity`` therefore
+also holds each graph's agreement on the same inputs (``graphs``: the torch row's own inputs to
+each call handed to onnxruntime too, its integer codes or its decoded classes compared): that is
+how far the file and the emulation compute the same thing.
 """
 
 from __future__ import annotations
@@ -36,7 +46,10 @@ import torch
 
 from wm.export.qdq import Int8Error
 
-VARIANTS = ("pytorch_fp32", "onnx_fp32", "onnx_fp16", "onnx_int8", "onnx_int8_ort", "copy_last")
+VARIANTS = ("pytorch_fp32", "onnx_fp32", "onnx_fp16", "onnx_int8", "onnx_int8_ort", "int8_tokenizer", "int8_world",
+            "copy_last")
+# the breakdown rows: the graphs each one runs as onnx_int8 (the others as pytorch_fp32)
+INT8_PARTS = {"int8_tokenizer": ("tokenizer_encode", "tokenizer_decode"), "int8_world": ("world_step",)}
 GRAPHS = ("tokenizer_encode", "world_step", "tokenizer_decode")
 CPU_INT8 = ".int8-ort"  # onnxruntime's INT8 copies (wm.export.qdq.cpu_copy)
 # row -> (file kind, onnxruntime runs its Q/DQ as float ops)
@@ -59,6 +72,43 @@ def ort_row(out_dir: Path, row: str):
 
 def _num(x):
     return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else float(x)
+
+
+class Mixed:
+    """A RunGraph that runs the graphs named in `these` on `run` and every other graph on `rest`."""
+
+    def __init__(self, run: Callable, rest: Callable, these):
+        self.run, self.rest, self.these = run, rest, frozenset(these)
+
+    def __call__(self, name: str, *inputs: torch.Tensor) -> tuple:
+        return (self.run if name in self.these else self.rest)(name, *inputs)
+
+
+class GraphParity:
+    """A RunGraph that runs `main` and hands the very same inputs to `other`: it returns main's
+    outputs (so the rollout is main's) and counts, per graph, the output elements both agree on:
+    integer outputs (codes) as they are, float ones of tokenizer_decode (class logits) by their argmax
+    over the classes; the world step's float motion is left out (it is no class)."""
+
+    def __init__(self, main: Callable, other: Callable):
+        self.main, self.other = main, other
+        self.counts: dict[str, list[int]] = {g: [0, 0] for g in GRAPHS}
+
+    def __call__(self, name: str, *inputs: torch.Tensor) -> tuple:
+        a = self.main(name, *inputs)
+        b = self.other(name, *inputs)
+        for x, y in zip(a, b):
+            x, y = x.cpu(), y.cpu()
+            if x.is_floating_point():
+                if name != "tokenizer_decode":
+                    continue
+                x, y = x.argmax(1), y.argmax(1)
+            self.counts[name][0] += int((x == y.to(x.dtype)).sum())
+            self.counts[name][1] += x.numel()
+        return a
+
+    def agreement(self) -> dict[str, Optional[float]]:
+        return {g: (n / t if t else None) for g, (n, t) in self.counts.items()}
 
 
 def _engines(trained, out_dir: Path, engine: str, device, programs) -> dict[str, tuple[Callable, str]]:
@@ -88,6 +138,9 @@ def _engines(trained, out_dir: Path, engine: str, device, programs) -> dict[str,
                             "emulate them on; use --engine onnxruntime")
         rows[v] = (ProgramGraphs(programs, dev, plans=plans),
                    f"torch {dev.type} (Q/DQ of the {ROW_FILES[v][0]}.onnx files emulated)")
+    for v, these in INT8_PARTS.items():
+        rows[v] = (Mixed(rows["onnx_int8"][0], rows["pytorch_fp32"][0], these),
+                   f"torch {dev.type} ({', '.join(these)} as onnx_int8, the rest as pytorch_fp32)")
     return rows
 
 
@@ -126,6 +179,9 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
     ort = {v: ort_row(out_dir, v) for v in ("onnx_fp32", "onnx_int8", "onnx_int8_ort")} \
         if engine == "torch" and parity_windows > 0 else {}
     par = {v: [0, 0] for v in ort}
+    # the torch row each onnxruntime row is held against
+    par_src = {"onnx_fp32": "pytorch_fp32", "onnx_int8": "onnx_int8", "onnx_int8_ort": "onnx_int8_ort"}
+    tees = {v: GraphParity(rows[par_src[v]][0], run) for v, run in ort.items()}
     prog = Progress("report", len(idx), "windows", log)
     for b in batches(ds, idx, int(batch)):
         occ, motion = b["occ"], b["motion"]
@@ -151,10 +207,12 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
             agree[v][1] += p.numel()
         n = min(len(occ), parity_windows - parity["windows"])
         if ort and n > 0:
+            first = [a[:n] if a is not None else None for a in args]
             for v, run in ort.items():
-                got = forecast(run, cfg, *(a[:n] if a is not None else None for a in args))
-                par[v][0] += int((got == preds["pytorch_fp32" if v == "onnx_fp32" else v][:n]).sum())
+                got = forecast(run, cfg, *first)
+                par[v][0] += int((got == preds[par_src[v]][:n]).sum())
                 par[v][1] += got.numel()
+                forecast(tees[v], cfg, *first)  # the torch row's rollout, each call also in onnxruntime
             parity["windows"] += n
         prog.step(len(occ))
     out = {}
@@ -181,11 +239,13 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
         r["drop_iou_avg"] = drop(ref["iou_avg"], r["iou_avg"])
         r["drop_miou_avg"] = drop(ref["miou_avg"], r["miou_avg"])
     for v, se in drop_se(per_window, free).items():
-        out[v]["drop_iou_avg_se"], out[v]["drop_miou_avg_se"] = se
+        out[v].update(se)
     if ort:  # onnxruntime on the files vs the torch rows, voxel by voxel
-        parity["onnx_fp32_vs_pytorch_fp32"] = par["onnx_fp32"][0] / max(par["onnx_fp32"][1], 1)
-        parity["onnx_int8_vs_emulated_int8"] = par["onnx_int8"][0] / max(par["onnx_int8"][1], 1)
-        parity["onnx_int8_ort_vs_emulated_int8_ort"] = par["onnx_int8_ort"][0] / max(par["onnx_int8_ort"][1], 1)
+        names = {"onnx_fp32": "onnx_fp32_vs_pytorch_fp32", "onnx_int8": "onnx_int8_vs_emulated_int8",
+                 "onnx_int8_ort": "onnx_int8_ort_vs_emulated_int8_ort"}
+        for v, k in names.items():
+            parity[k] = par[v][0] / max(par[v][1], 1)
+        parity["graphs"] = {names[v]: t.agreement() for v, t in tees.items()}
     fp = trained.data_fingerprint
     res = {"split": split, "windows": int(len(idx)), "data_root": str(root), "future_steps": S,
            "data_fingerprint_matches_checkpoint": (ds.fingerprint == fp) if fp else None,
@@ -200,32 +260,36 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
 
 
 def drop_se(per_window: Mapping[str, torch.Tensor], free: int, ref: str = "pytorch_fp32",
-            resamples: int = 1000, seed: int = 0) -> dict[str, tuple[Optional[float], Optional[float]]]:
-    """{row: (standard error of drop_iou_avg, of drop_miou_avg)} in points, by a paired bootstrap:
-    the same resampled windows for the reference and the row, so what both get wrong alike cancels.
-    per_window: {row: (W, S, C, C) confusion counts of each held-out window}."""
+            resamples: int = 1000, seed: int = 0) -> dict[str, dict]:
+    """{row: {"drop_iou_avg_se", "drop_miou_avg_se": standard error of the averaged drop,
+    "drop_iou_se", "drop_miou_se": [one per future step]}} in points (None with fewer than two
+    windows), by a paired bootstrap: the same resampled windows for the reference and the row, so
+    what both get wrong alike cancels. per_window: {row: (W, S, C, C) confusion counts of each
+    held-out window}."""
     from wm.metrics import binary_iou, miou
 
     counts = per_window[ref]
     w, s, c = counts.shape[0], counts.shape[1], counts.shape[-1]
     if w < 2:
-        return {v: (None, None) for v in per_window}
+        return {v: {"drop_iou_avg_se": None, "drop_miou_avg_se": None, "drop_iou_se": [None] * s,
+                    "drop_miou_se": [None] * s} for v in per_window}
     g = torch.Generator().manual_seed(seed)
     pick = torch.randint(w, (resamples, w), generator=g)
     weight = torch.zeros(resamples, w, dtype=torch.float64).scatter_add_(1, pick, torch.ones(resamples, w, dtype=torch.float64))
 
-    def avgs(cnt):  # (W, S, C, C) -> two (resamples,) tensors: IoU and mIoU averaged over the steps
+    def per_step(cnt):  # (W, S, C, C) -> two (resamples, S) tensors: IoU and mIoU of each step
         boot = torch.einsum("bw,wx->bx", weight, cnt.reshape(w, -1).double()).reshape(resamples * s, c, c)
-        return (binary_iou(boot, free).view(resamples, s).nanmean(1),
-                miou(boot, free).view(resamples, s).nanmean(1))
+        return binary_iou(boot, free).view(resamples, s), miou(boot, free).view(resamples, s)
 
-    r_iou, r_miou = avgs(counts)
-    out = {ref: (0.0, 0.0)}
+    def se(d):  # (resamples, S) drops -> (SE of the steps' average, [SE of each step])
+        return _num(float(d.nanmean(1).std())), [_num(float(x)) for x in d.std(0)]
+
+    r_iou, r_miou = per_step(counts)
+    out = {}
     for v, cnt in per_window.items():
-        if v == ref:
-            continue
-        v_iou, v_miou = avgs(cnt)
-        out[v] = tuple(_num(float((a - b).std())) for a, b in ((r_iou, v_iou), (r_miou, v_miou)))
+        v_iou, v_miou = per_step(cnt)
+        (ia, i), (ma, m) = se(r_iou - v_iou), se(r_miou - v_miou)
+        out[v] = {"drop_iou_avg_se": ia, "drop_miou_avg_se": ma, "drop_iou_se": i, "drop_miou_se": m}
     return out
 
 
@@ -258,8 +322,18 @@ def format_report(d: Mapping) -> str:
         lines.append(f"{v:<14}      {iou} {f(r['iou_avg'])} |      {miou} {f(r['miou_avg'])} | "
                      f"{pm(r, 'iou')} {pm(r, 'miou')} | {f(r['agreement_vs_pytorch'], 6, 4)} | {ms}")
     lines.append("computed by: " + "; ".join(f"{v} {r['engine']}" for v, r in d["models"].items() if "engine" in r))
+    per_step = [(v, r) for v, r in d["models"].items() if v not in ("pytorch_fp32", "copy_last") and "drop_miou_se" in r]
+    if per_step:  # the drops of every step with their errors: a target holds at each step, not on average
+        lines.append("drop per future step vs pytorch_fp32, IoU / mIoU (± standard error):")
+        for v, r in per_step:
+            cells = [f"t+{s + 1} {f(r['drop_iou'][s], 5)}±{f(r['drop_iou_se'][s], 4)} / "
+                     f"{f(r['drop_miou'][s], 5)}±{f(r['drop_miou_se'][s], 4)}" for s in range(S)]
+            lines.append(f"  {v:<14} " + "  ".join(cells))
     if "parity" in d:
         p = d["parity"]
         lines.append(f"parity on {p['windows']} windows (voxels equal): " +
-                     ", ".join(f"{k} {v:.4f}" for k, v in p.items() if k != "windows"))
+                     ", ".join(f"{k} {v:.4f}" for k, v in p.items() if k not in ("windows", "graphs")))
+        for k, g in p.get("graphs", {}).items():
+            lines.append(f"  each graph on the same inputs, {k}: " +
+                         ", ".join(f"{n} {f(x, 6, 4)}" for n, x in g.items()))
     return "\n".join(lines)
