@@ -84,6 +84,8 @@ def test_bench_writes_every_figure_with_sane_values(tiny, tmp_path, B):
         assert r["mfu"] == pytest.approx(r["tflops_per_s"] / d["peaks_tflops"]["fp32"]) and r["mfu_peak"] == "fp32"
         assert r["max_mem_gib"] is None and r["act_mem_gib"] is None  # no CUDA memory on a CPU
         assert math.isfinite(r["loss"]) and r["skipped_steps"] == 0 and r["steps"] == 2
+        assert r["gc_every"] == 50 and len(r["host_gc_ms_each"]) == 2 and all(x >= 0 for x in r["host_gc_ms_each"])
+        assert r["host_gc_ms_max"] == max(r["host_gc_ms_each"])
     assert got["world", "onthefly"]["data"].startswith("occupancy") and got["world", "bf16"]["data"] == "token cache"
 
     x = d["extrapolation"]

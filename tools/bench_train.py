@@ -22,7 +22,9 @@ reset per variant; "act" = that peak minus what was allocated before the timed s
 data-wait fraction (host time the step waited for the loader, over the total). The JSON also
 keeps every timed step (`step_ms_each`, from the GPU's clock, the slowest rank's; p90 and max) and
 the host's time to queue each (`host_queue_ms_each`): a mean step above the median is a few slow
-steps, and a queue time near the step time means the host, not the GPU, sets the pace. The on-the-fly
+steps, and a queue time near the step time means the host, not the GPU, sets the pace; each step's
+time in Python's garbage collector (`host_gc_ms_each`, the slowest rank's; the collector as `fit`
+runs it: `--set ddp.gc_every=0` for Python's automatic one) says whether a collection was it. The on-the-fly
 variants' FLOPs include the frozen encoder's forward: it is work the step does.
 
 Variants (`--variants`, comma-separated; each runs for every stage of `--stages`):
@@ -101,6 +103,7 @@ from wm.checkpoint import latest_checkpoint, rng_state  # noqa: E402
 from wm.checkpointer import Checkpointer  # noqa: E402
 from wm.config import load as load_config, model_options, to_dict  # noqa: E402
 from wm.errors import WMError, run_cli  # noqa: E402
+from wm.host_gc import GCPauses, StepGC  # noqa: E402
 from wm.run import Run  # noqa: E402
 from wm.tokenizer import Tokenizer  # noqa: E402
 
@@ -295,21 +298,26 @@ class Bench:
                 torch.cuda.reset_peak_memory_stats(device)
                 before = torch.cuda.memory_allocated(device)
             per_step, host, wait, samples, skipped, marks, prev = [], [], 0.0, 0, 0, [], None
-            t0 = time.perf_counter()
-            for _ in range(a.steps):
-                ts = time.perf_counter()
-                if self.cuda:  # the host runs ahead of the GPU: step times from the GPU's clock
-                    marks.append(torch.cuda.Event(enable_timing=True))
-                    marks[-1].record()
-                r = runner.step()
-                host.append(time.perf_counter() - ts)  # on CUDA: the time to queue the step
-                if prev is not None:  # as fit reads them: the previous step's, once this one is queued
-                    skipped += prev.outcome()[0]
-                prev = r
-                if not self.cuda:  # a CPU runs the step synchronously: host times are step times
-                    per_step.append(host[-1])
-                wait += r.data_wait_s
-                samples += r.samples
+            gc_ms = []
+            # the collector as fit runs it (ddp.gc_every), and the time each step spends in it
+            with StepGC(cfg.ddp.gc_every) as collector, GCPauses() as pauses:
+                t0 = time.perf_counter()
+                for i in range(a.steps):
+                    ts = time.perf_counter()
+                    if self.cuda:  # the host runs ahead of the GPU: step times from the GPU's clock
+                        marks.append(torch.cuda.Event(enable_timing=True))
+                        marks[-1].record()
+                    r = runner.step()
+                    collector.step(warmup + i + 1)
+                    host.append(time.perf_counter() - ts)  # on CUDA: the time to queue the step
+                    gc_ms.append(pauses.take())
+                    if prev is not None:  # as fit reads them: the previous step's, once this one is queued
+                        skipped += prev.outcome()[0]
+                    prev = r
+                    if not self.cuda:  # a CPU runs the step synchronously: host times are step times
+                        per_step.append(host[-1])
+                    wait += r.data_wait_s
+                    samples += r.samples
             if self.cuda:
                 marks.append(torch.cuda.Event(enable_timing=True))
                 marks[-1].record()
@@ -331,6 +339,7 @@ class Bench:
         # the host's time to queue each step (slowest rank): near the step time, a host hiccup on
         # any rank stalls every GPU
         queued = [1e3 * t for t in self._agree_each(host)]
+        in_gc = self._agree_each(gc_ms)  # the slowest rank's time in Python's garbage collector
         if peak is not None:
             act = self._agree((peak - before) / 2**30, "max")
             peak = self._agree(peak / 2**30, "max")
@@ -351,6 +360,7 @@ class Bench:
                "step_ms": 1e3 * total / a.steps, "step_ms_median": 1e3 * median,
                "step_ms_p90": p90(each), "step_ms_max": max(each), "step_ms_each": each,
                "host_queue_ms_median": statistics.median(queued), "host_queue_ms_each": queued,
+               "gc_every": cfg.ddp.gc_every, "host_gc_ms_each": in_gc, "host_gc_ms_max": max(in_gc),
                "samples_per_s": sps, "flops_per_sample": flops_per_sample,
                "flops_per_step": flops_per_sample * runner.batch * s.grad_accum * d.world_size,
                "tflops_per_s": achieved / 1e12, "max_mem_gib": peak, "act_mem_gib": act,

@@ -106,7 +106,7 @@ class ActivationCheckpointConfig:
 
 @dataclass
 class DDPConfig:
-    """More than one rank: the collectives' timeout and DDP's gradient all-reduce."""
+    """More than one rank: the collectives' timeout, DDP's gradient all-reduce, the ranks in step."""
 
     RESUME, EVALUATE = FREE, FREE
     timeout_s: float = 900.0  # collective timeout: a dead rank fails the job after this long
@@ -114,6 +114,9 @@ class DDPConfig:
     bucket_mib: float = 100.0  # gradient all-reduce bucket size, MiB (DDP's own default: 25)
     # bf16 halves the bytes on the wire; the gradients are averaged in bf16, then used in fp32
     grad_dtype: str = rule("fp32", resume=MATCH)  # gradient all-reduce dtype: fp32 | bf16
+    # Python's automatic collection pauses one rank at a time, and the others wait for it at the
+    # all-reduce; off while training, it runs at the same steps on every rank instead
+    gc_every: int = 50  # steps between Python garbage collections, all ranks at once (0: Python's automatic ones)
 
     def validate(self) -> None:
         if not self.timeout_s > 0:
@@ -122,6 +125,8 @@ class DDPConfig:
             raise ConfigError("bucket_mib", f"{self.bucket_mib} must be > 0")
         if self.grad_dtype not in ("fp32", "bf16"):
             raise ConfigError("grad_dtype", f"{self.grad_dtype!r} must be fp32 or bf16")
+        if self.gc_every < 0:
+            raise ConfigError("gc_every", f"{self.gc_every} must be >= 0 (0: Python's automatic collection)")
 
 
 @dataclass

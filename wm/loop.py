@@ -34,6 +34,7 @@ from wm.data import ResumableSampler, make_loader, start_workers
 from wm.datastats import moving_classes
 from wm.errors import WMError
 from wm.evaluate import autocast
+from wm.host_gc import StepGC
 from wm.logs import eta
 from wm.run import Run, belongs
 from wm.stages import batches_per_rank
@@ -289,18 +290,21 @@ def fit(run: Run, stage, device: torch.device, dtype, stop: Preemption) -> dict:
     lp = StageLoop(run, stage, device, dtype)
     lp.resume()
     lp.start()
-    while lp.step < lp.total:
-        lp.schedule()
-        r = train_step(stage, lp.model, lp.opt, lp.scaler, lp.next_batch, lp.s, device, dtype, run.d,
-                       ddp=lp.ddp, fwd=lp.fwd, stop=stop)
-        due = lp.took(r)
-        lp.read_outcomes(due)
-        if due.log:
-            lp.log(r)
-        if due.eval:
-            lp.validate()
-        if lp.save_or_stop(due, r):
-            break
+    with StepGC(run.cfg.ddp.gc_every) as collector:
+        while lp.step < lp.total:
+            lp.schedule()
+            r = train_step(stage, lp.model, lp.opt, lp.scaler, lp.next_batch, lp.s, device, dtype, run.d,
+                           ddp=lp.ddp, fwd=lp.fwd, stop=stop)
+            due = lp.took(r)
+            collector.step(lp.step)
+            lp.read_outcomes(due)
+            if due.log:
+                lp.log(r)
+            if due.eval:
+                lp.validate()
+                collector.full()
+            if lp.save_or_stop(due, r):
+                break
     return lp.finish()
 
 

@@ -1,0 +1,67 @@
+"""Python's garbage collector at chosen steps, the same ones on every rank.
+
+Left automatic, a full collection (tens to hundreds of milliseconds with a compiled model's objects)
+starts whenever one process's allocation counts say so: one rank's host stalls, its GPU runs out of
+queued work, and every other rank waits for it at the next all-reduce, a pause that grows with the
+number of ranks. Off while a stage trains, with the young generations collected every `every` steps
+and everything at each validation (where the ranks wait for each other anyway), the pauses are
+short and happen on all ranks at once."""
+
+from __future__ import annotations
+
+import gc
+
+
+class StepGC:
+    """`with StepGC(every) as g:` automatic collection off inside; `g.step(n)` after step n,
+    `g.full()` at a validation. every = 0: the collector is left as it is."""
+
+    def __init__(self, every: int):
+        self.every, self.was_enabled = int(every), True
+
+    def __enter__(self) -> "StepGC":
+        if self.every:
+            self.was_enabled = gc.isenabled()
+            gc.collect()  # start from nothing left over from the setup
+            gc.disable()
+        return self
+
+    def step(self, n: int) -> None:
+        if self.every and n % self.every == 0:
+            gc.collect(1)
+
+    def full(self) -> None:
+        if self.every:
+            gc.collect()
+
+    def __exit__(self, *exc) -> None:
+        if self.every and self.was_enabled:
+            gc.enable()
+
+
+class GCPauses:
+    """`with GCPauses() as p:` the milliseconds this process spends in the garbage collector;
+    `p.take()` says how many since the last take (a benchmark's per-step figure)."""
+
+    def __init__(self):
+        self.ms, self._t0 = 0.0, None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        import time
+
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.ms += 1e3 * (time.perf_counter() - self._t0)
+            self._t0 = None
+
+    def take(self) -> float:
+        ms, self.ms = self.ms, 0.0
+        return ms
+
+    def __enter__(self) -> "GCPauses":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
