@@ -87,9 +87,12 @@ def export(argv, progress: dict) -> int:
     ap.add_argument("--calib-method", choices=("entropy", "percentile", "max"), default="entropy",
                     help="INT8 thresholds: entropy (TensorRT's EntropyCalibrator2), percentile (99.99 %% of "
                          "the values) or max (nothing clipped)")
-    ap.add_argument("--int8-float", metavar="REGEX",
+    # quantized, the encoder moves the past frames' codes to near-tied neighbours, and the forecast
+    # follows them (most at t+1); float, it is one pass over the past frames
+    ap.add_argument("--int8-float", metavar="REGEX", default=r"tok\.enc",
                     help="keep float the convolutions and matrix products whose module path matches this "
-                         "regular expression (e.g. 'tok.decoder' or 'world.temporal'); the report's int8_tokenizer / "
+                         "regular expression (default: the tokenizer's encoder, %(default)s; '' quantizes "
+                         "everything; e.g. 'tok.decoder' or 'world.temporal'); the report's int8_tokenizer / "
                          "int8_world rows say which part an INT8 drop comes from")
     ap.add_argument("--parity-windows", type=int, default=2,
                     help="with the torch engine: windows the report also runs in onnxruntime, for parity")
@@ -191,9 +194,12 @@ def export(argv, progress: dict) -> int:
 
         t0 = time.perf_counter()
         progress["phase"] = "the TensorRT step"
-        # the most deployable graphs written: Q/DQ INT8, else FP16, else FP32
-        kind = ".int8" if a.int8 else ".fp16" if a.fp16 else ""
-        files = {name: out / f"{name}{kind}.onnx" for name in report["graphs"]}
+        # the most deployable graphs written: Q/DQ INT8, else FP16, else FP32; a graph --int8-float
+        # left wholly float builds from its FP16 file where there is one
+        q = report.get("int8", {}).get("graphs", {})
+        kinds = {name: ".int8" if a.int8 and (q[name]["nodes_quantized"] or not a.fp16) else
+                 ".fp16" if a.fp16 else "" for name in report["graphs"]}
+        files = {name: out / f"{name}{kind}.onnx" for name, kind in kinds.items()}
         feeds = {name: {k: v.numpy() for k, v in ex[2][name].items()} for name in files}
         c = t.cfg
         report["tensorrt"] = deploy(files, feeds, max_batch=a.max_batch, opt_batch=1,

@@ -221,7 +221,8 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
                            "engine": engine, "device": device,
                            "algorithm": "TensorRT EntropyCalibrator2 (pytorch-quantization _compute_amax_entropy)"
                            if method == "entropy" else method,
-                           "trt_version": str(trt_version), "cache_header": f"TRT-{version}-EntropyCalibration2"},
+                           "trt_version": str(trt_version), "cache_header": f"TRT-{version}-EntropyCalibration2",
+                           "kept_float": exclude_scopes or None},
            "graphs": {}, "seconds": {"histograms": round(t_hist, 2)}}
     t_thr = t_qdq = 0.0
     for g in GRAPH_NAMES:
