@@ -1,7 +1,7 @@
 """Python's garbage collector at chosen steps, the same ones on every rank.
 
-Left automatic, a full collection (tens to hundreds of milliseconds with a compiled model's objects)
-starts whenever one process's allocation counts say so: one rank's host stalls, its GPU runs out of
+Left automatic, a full collection (long, with the many objects a training process keeps) starts
+whenever one process's allocation counts say so: one rank's host stalls, its GPU runs out of
 queued work, and every other rank waits for it at the next all-reduce, a pause that grows with the
 number of ranks. Off while a stage trains, with the young generations collected every `every` steps
 and everything at each validation (where the ranks wait for each other anyway), the pauses are
@@ -10,6 +10,7 @@ short and happen on all ranks at once."""
 from __future__ import annotations
 
 import gc
+import time
 
 
 class StepGC:
@@ -17,7 +18,7 @@ class StepGC:
     `g.full()` at a validation. every = 0: the collector is left as it is."""
 
     def __init__(self, every: int):
-        self.every, self.was_enabled = int(every), True
+        self.every, self.was_enabled = int(every), gc.isenabled()
 
     def __enter__(self) -> "StepGC":
         if self.every:
@@ -47,8 +48,6 @@ class GCPauses:
         self.ms, self._t0 = 0.0, None
 
     def _callback(self, phase: str, info: dict) -> None:
-        import time
-
         if phase == "start":
             self._t0 = time.perf_counter()
         elif self._t0 is not None:
