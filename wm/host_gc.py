@@ -18,7 +18,7 @@ class StepGC:
     `g.full()` at a validation. every = 0: the collector is left as it is."""
 
     def __init__(self, every: int):
-        self.every, self.was_enabled = int(every), gc.isenabled()
+        self.every = int(every)
 
     def __enter__(self) -> "StepGC":
         if self.every:
