@@ -198,3 +198,34 @@ def test_train_step_on_cuda_never_waits_for_the_gpu(tiny, B, stage_name):
         runner.close()
         run.log.close()
         torch.cuda.synchronize()
+
+
+@pytest.mark.slow
+def test_a_rank_late_to_the_timed_steps_is_not_timed_as_a_slow_step(tiny, tmp_path):
+    # rank 1 counts FLOPs 3 s longer than rank 0 (as ranks do when they finish their warm-up apart):
+    # the timed steps must start together, else rank 0's first step waits in the all-reduce for it
+    from test_distributed import run_two_ranks
+
+    out = tmp_path / "two.json"
+    args = tiny.args(out="bench2") + ["--stages", "tokenizer", "--variants", "fp32-b1", "--steps", "3",
+                                      "--warmup", "1", "--json", str(out)]
+    script = f"""
+import importlib.util, json, os, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+import wm.loop as L
+count = L.count_flops
+def late(*a, **k):
+    if os.environ["RANK"] == "1":
+        time.sleep(3)
+    return count(*a, **k)
+L.count_flops = late
+spec = importlib.util.spec_from_file_location("bench_train", {str(ROOT / "tools" / "bench_train.py")!r})
+B = importlib.util.module_from_spec(spec); spec.loader.exec_module(B)
+assert B.main({args!r}) == 0
+print("RESULT", json.dumps(json.loads(open({str(out)!r}).read()) if os.environ["RANK"] == "0" else {{}}))
+"""
+    rank0, _ = run_two_ranks(script, threads=1)
+    r = [r for r in rank0["results"] if r.get("status") == "ok"][0]
+    assert r["world_size"] == 2 and len(r["step_ms_each"]) == 3
+    # a tiny step takes milliseconds; a wait for the late rank would be 3000 ms in the first
+    assert max(r["step_ms_each"]) < 1500, r["step_ms_each"]

@@ -11,7 +11,8 @@ activation checkpointing, token cache vs encoding on the fly, and what a checkpo
 
 Every variant times `wm.loop.train_step`, the body of train.py's loop (grad_accum micro-batches,
 DDP no_sync, autocast, GradScaler, clipping, the all-reduced finite check, AdamW, after_step), fed
-by the same sampler, DataLoader and BatchStream as `fit`, after `--warmup` steps. Reported per
+by the same sampler, DataLoader and BatchStream as `fit`, after `--warmup` steps (under DDP every rank
+starts the timed steps together, as training's steps follow each other). Reported per
 variant: step time (ms; the timed span ends with a CUDA synchronize; the median step from CUDA
 events between step starts, since the host, as in `fit`, runs a step ahead of the GPU), samples/s
 (all ranks; the tokenizer's samples are frames), TFLOP/s and MFU (FLOPs of one step counted with
@@ -297,6 +298,9 @@ class Bench:
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
                 before = torch.cuda.memory_allocated(device)
+            # every rank starts the timed steps together: else the first step's all-reduce holds the
+            # ranks that finished the FLOP count early, a wait that training never has
+            D.barrier(d)
             per_step, host, wait, samples, skipped, marks, prev = [], [], 0.0, 0, 0, [], None
             gc_ms = []
             # the collector as fit runs it (ddp.gc_every), and the time each step spends in it
