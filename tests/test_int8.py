@@ -767,6 +767,44 @@ def test_onnxruntime_int8_copy_computes_its_onnx_semantics_on_an_avx2_cpu(run, t
                 assert (x == y).mean() >= 0.99, g
 
 
+def _int8_cpus(*args):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, str(root / "tools" / "int8_cpus.py"), *map(str, args)], cwd=root,
+                          capture_output=True, text=True, timeout=900)
+
+
+@needs_qemu
+def test_int8_cpus_tool_compares_the_files_on_two_cpu_classes(run, trained_tiny, tmp_path):
+    """tools/int8_cpus.py: real rollouts' graph calls, run natively, under qemu's AVX2-only model
+    and as ONNX semantics; onnxruntime's copy agrees on both CPU classes."""
+    out = tmp_path / "cpus.json"
+    p = _int8_cpus("--run", trained_tiny.run_dir(), "--export", run.out, "--windows", 3, "--batch", 2, "--json", out)
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert d["windows"] == 3 and d["cpu"]["emulated"] == f"qemu -cpu {AVX2_ONLY}"
+    # 3 windows in batches of 2: 2 rollouts, each one encode, data.future world steps, one decode
+    calls = {"tokenizer_encode": 2, "world_step": 2 * 2, "tokenizer_decode": 2}
+    assert d["calls"] == sum(calls.values())
+    for kind in (".int8-ort", ".int8"):
+        for pair in ("native_vs_emulated", "native_vs_onnx", "emulated_vs_onnx"):
+            got = d["rows"][kind][pair]
+            assert {g: r["calls"] for g, r in got.items()} == calls, (kind, pair)
+            assert got["world_step"]["max_abs_diff"] is not None  # the ego motion, a float output
+    for pair in ("native_vs_emulated", "emulated_vs_onnx"):
+        for g, r in d["rows"][".int8-ort"][pair].items():
+            assert r["agree"] >= 0.99, (pair, g, r)
+    assert "native_vs_emulated" in p.stdout and "world_step" in p.stdout
+
+
+def test_int8_cpus_tool_refuses_an_export_without_int8_files(trained_tiny, tmp_path):
+    p = _int8_cpus("--run", trained_tiny.run_dir(), "--export", tmp_path)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert f"{tmp_path / 'tokenizer_encode.int8-ort.onnx'} does not exist; run export.py --run" in p.stderr
+
+
 def test_time_estimate_and_budget():
     # 10 s a window: 2 passes x 30 windows = 10 min of calibration, 4 rows x 20 windows = 13 min of report
     line = I.time_estimate(30, 20, 4, 10.0)

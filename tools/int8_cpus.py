@@ -1,0 +1,221 @@
+"""Do a run's INT8 files compute the same on every x86 CPU class?
+
+onnxruntime picks its integer kernels by the CPU it runs on (AMX, AVX-512 VNNI, or AVX2 alone,
+whose kernels add pairs of int8 products in int16 and saturate). This tool runs each INT8 file
+three ways on the inputs of real rollouts and reports, per graph, how many outputs agree:
+
+  native   onnxruntime's integer kernels on this CPU
+  emulated the same kernels under qemu's model of another CPU (--cpu, default Haswell: AVX2 and FMA,
+           no AVX-512, no VNNI; qemu answers onnxruntime's CPUID as that CPU would)
+  onnx     the file's ONNX semantics (Q/DQ as float ops, what TensorRT computes and wm's emulation
+           on a GPU reproduces), on this CPU
+
+    python tools/int8_cpus.py --run runs/demo                          # its export/, 8 validation windows
+    python tools/int8_cpus.py --run runs/demo --cpu Skylake-Client --windows 16 --json cpus.json
+
+Both INT8 files are run: `.int8-ort.onnx` (onnxruntime's copy: weights of matrix products within
++-64, exact on every x86 CPU) and `.int8.onnx` (TensorRT's: the full int8 range). The rollouts run
+natively through the export's host loop (onnxruntime's kernels, `.int8-ort.onnx`), every graph call's
+inputs are saved, and each way runs them all again in one process that imports only numpy and
+onnxruntime. Codes compare as they are, the decoder's class logits by their argmax over the classes,
+the world step's ego motion by its largest difference. Needs qemu-x86_64 (Debian, Ubuntu: apt-get
+install qemu-user) and `export.py --int8` run first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from wm.errors import WMError, run_cli  # noqa: E402
+
+KINDS = {".int8-ort": "onnxruntime's copy (.int8-ort.onnx)", ".int8": "TensorRT's file (.int8.onnx)"}
+
+# One way over every saved call: numpy and onnxruntime only, so that it starts in seconds under qemu.
+# argv: calls.json, "int8" (integer kernels) or "float" (Q/DQ as float ops), output folder.
+_RUN = r"""
+import json, sys, numpy as np, onnxruntime as ort
+calls, mode, out = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
+sessions = {}
+for i, (graph, model, feed) in enumerate(calls):
+    if model not in sessions:
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.enable_cpu_mem_arena = False
+        if mode == "float":
+            so.add_session_config_entry("session.disable_quant_qdq", "1")
+        sessions[model] = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    with np.load(feed) as z:
+        outs = sessions[model].run(None, dict(z))
+    if graph == "tokenizer_decode":  # class logits: the class each voxel gets
+        outs = [o.argmax(1).astype(np.uint8) if o.dtype.kind == "f" else o for o in outs]
+    np.savez(f"{out}/{i:05d}.npz", *outs)
+"""
+
+
+def record_calls(run_dir: Path, export: Path, windows: int, batch: int, folder: Path, log) -> tuple[list, int]:
+    """Roll out `windows` validation windows with the `.int8-ort` files natively, saving every
+    graph call's inputs under `folder`: ([(graph, feed path)], windows)."""
+    from wm.export.collect import batches, windows as pick
+    from wm.export.forecast import OrtGraphs, forecast
+    from wm.export.onnx import load_trained
+    from wm.export.report import CPU_INT8, graph_files
+
+    trained = load_trained(run_dir)
+    cfg = trained.cfg
+    calls: list = []
+
+    class Recorder(OrtGraphs):
+        def __call__(self, name, *inputs):
+            s = self.session(name)
+            feed = {i.name: x.detach().cpu().numpy() for i, x in zip(s.get_inputs(), inputs)}
+            path = folder / f"feed-{len(calls):05d}.npz"
+            np.savez(path, **feed)
+            calls.append((name, str(path)))
+            return tuple(torch.from_numpy(np.ascontiguousarray(o)) for o in s.run(None, feed))
+
+    run = Recorder(graph_files(export, CPU_INT8))
+    ds, idx, _ = pick(trained, None, cfg.data.val_split, windows, "--windows", log)
+    P, given = cfg.data.past, cfg.train.forecast_motion == "given"
+    for b in batches(ds, idx, batch):
+        occ, motion = b["occ"], b["motion"]
+        forecast(run, cfg, occ[:, :P], motion[:, :P], motion[:, P:] if given else None)
+    return calls, len(idx)
+
+
+def run_way(calls: list, files: dict, mode: str, qemu: list, folder: Path) -> None:
+    """Every call through `files` ({graph: model}) in one process (under `qemu` if given)."""
+    folder.mkdir()
+    spec = folder.with_suffix(".json")
+    spec.write_text(json.dumps([(g, str(files[g]), feed) for g, feed in calls]))
+    r = subprocess.run(qemu + [sys.executable, "-c", _RUN, str(spec), mode, str(folder)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise WMError(f"onnxruntime {'under ' + ' '.join(qemu) if qemu else 'on this CPU'} ({mode}) failed: {tail[0]}"
+                      + (" (qemu-x86_64 -cpu help lists its CPU models)" if qemu else ""))
+
+
+def compare(calls: list, a: Path, b: Path) -> dict:
+    """{graph: {"agree": fraction of equal integer outputs, "elements", "calls", "max_abs_diff" of
+    float outputs (or None)}} between two ways' outputs of the same calls."""
+    out: dict = {}
+    for i, (graph, _) in enumerate(calls):
+        r = out.setdefault(graph, {"equal": 0, "elements": 0, "calls": 0, "max_abs_diff": None})
+        r["calls"] += 1
+        with np.load(a / f"{i:05d}.npz") as x, np.load(b / f"{i:05d}.npz") as y:
+            for k in x.files:
+                u, v = x[k], y[k]
+                if u.dtype.kind == "f":
+                    d = float(np.abs(u.astype(np.float64) - v).max()) if u.size else 0.0
+                    r["max_abs_diff"] = d if r["max_abs_diff"] is None else max(r["max_abs_diff"], d)
+                else:
+                    r["equal"] += int((u == v).sum())
+                    r["elements"] += int(u.size)
+    for r in out.values():
+        r["agree"] = r.pop("equal") / r["elements"] if r["elements"] else None
+    return out
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def cpu_flags() -> list[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return sorted(f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in have)
+    except OSError:
+        pass
+    return []
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", required=True, help="a trained run folder")
+    ap.add_argument("--export", help="its export folder (default: <run>/export)")
+    ap.add_argument("--cpu", default="Haswell", help="qemu's CPU model to compare with (qemu-x86_64 -cpu help)")
+    ap.add_argument("--windows", type=int, default=8, help="validation windows rolled out (0: all)")
+    ap.add_argument("--batch", type=int, default=4, help="windows per rollout")
+    ap.add_argument("--json", help="write the figures here")
+    a = ap.parse_args(argv)
+    from wm.export.report import graph_files
+
+    if a.windows < 0 or a.batch < 1:
+        raise WMError("--windows must be >= 0 (0: all) and --batch >= 1")
+    run_dir = Path(a.run)
+    export = Path(a.export) if a.export else run_dir / "export"
+    for kind in KINDS:
+        for f in graph_files(export, kind).values():
+            if not f.is_file():
+                raise WMError(f"{f} does not exist; run export.py --run {run_dir} --int8 first")
+    qemu = shutil.which("qemu-x86_64")
+    if qemu is None:
+        raise WMError("qemu-x86_64 is not installed; it runs onnxruntime as another CPU would "
+                      "(Debian, Ubuntu: apt-get install qemu-user)")
+    say = lambda *x: print(*x, flush=True)  # noqa: E731
+    with tempfile.TemporaryDirectory(prefix="wm-int8-cpus-") as tmp:
+        tmp = Path(tmp)
+        calls, n = record_calls(run_dir, export, a.windows, a.batch, tmp, say)
+        say(f"{n} windows rolled out: {len(calls)} graph calls, each run natively ({cpu_name()}), "
+            f"under qemu -cpu {a.cpu}, and as its ONNX semantics")
+        rows = {}
+        for kind, what in KINDS.items():
+            files = graph_files(export, kind)
+            d = tmp / kind.strip(".")
+            d.mkdir()
+            run_way(calls, files, "int8", [], d / "native")
+            run_way(calls, files, "int8", [qemu, "-cpu", a.cpu], d / "emulated")
+            run_way(calls, files, "float", [], d / "onnx")
+            rows[kind] = {"file": what,
+                          "native_vs_emulated": compare(calls, d / "native", d / "emulated"),
+                          "native_vs_onnx": compare(calls, d / "native", d / "onnx"),
+                          "emulated_vs_onnx": compare(calls, d / "emulated", d / "onnx")}
+    rep = {"run": str(run_dir), "export": str(export), "windows": n, "calls": len(calls),
+           "cpu": {"native": cpu_name(), "native_flags": cpu_flags(), "emulated": f"qemu -cpu {a.cpu}"},
+           "onnxruntime": __import__("onnxruntime").__version__, "rows": rows}
+    print(table(rep))
+    if a.json:
+        from wm.atomic import write_bytes
+
+        write_bytes(a.json, json.dumps(rep, indent=1) + "\n")
+        print(f"wrote {a.json}")
+    return 0
+
+
+def table(rep: dict) -> str:
+    """One line per file, pair of ways and graph: the agreement of codes / classes, the motion's
+    largest difference."""
+    lines = [f"INT8 files on two CPU classes: native = {rep['cpu']['native']} "
+             f"({', '.join(rep['cpu']['native_flags']) or 'no AVX2'}), emulated = {rep['cpu']['emulated']}, "
+             f"onnx = Q/DQ as float ops; {rep['windows']} windows, {rep['calls']} calls",
+             f"{'file':<16} {'pair':<20} {'graph':<18} {'agree':>8} {'motion max|diff|':>17}"]
+    for kind, row in rep["rows"].items():
+        for pair in ("native_vs_emulated", "native_vs_onnx", "emulated_vs_onnx"):
+            for g, r in row[pair].items():
+                agree = f"{100 * r['agree']:7.3f}%" if r["agree"] is not None else f"{'-':>8}"
+                diff = f"{r['max_abs_diff']:17.3g}" if r["max_abs_diff"] is not None else f"{'-':>17}"
+                lines.append(f"{kind.strip('.') + '.onnx':<16} {pair:<20} {g:<18} {agree} {diff}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    run_cli(main)
