@@ -127,25 +127,19 @@ def compare(calls: list, a: Path, b: Path) -> dict:
     return out
 
 
-def cpu_name() -> str:
+def this_cpu() -> tuple[str, list[str]]:
+    """This CPU's model name and which of the instruction sets that pick onnxruntime's kernels it has."""
+    name, flags = "unknown", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name == "unknown":
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
     except OSError:
         pass
-    return "unknown"
-
-
-def cpu_flags() -> list[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                return sorted(f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in have)
-    except OSError:
-        pass
-    return []
+    return name, sorted(f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags)
 
 
 def main(argv=None) -> int:
@@ -172,10 +166,11 @@ def main(argv=None) -> int:
         raise WMError("qemu-x86_64 is not installed; it runs onnxruntime as another CPU would "
                       "(Debian, Ubuntu: apt-get install qemu-user)")
     say = lambda *x: print(*x, flush=True)  # noqa: E731
+    name, flags = this_cpu()
     with tempfile.TemporaryDirectory(prefix="wm-int8-cpus-") as tmp:
         tmp = Path(tmp)
         calls, n = record_calls(run_dir, export, a.windows, a.batch, tmp, say)
-        say(f"{n} windows rolled out: {len(calls)} graph calls, each run natively ({cpu_name()}), "
+        say(f"{n} windows rolled out: {len(calls)} graph calls, each run natively ({name}), "
             f"under qemu -cpu {a.cpu}, and as its ONNX semantics")
         rows = {}
         for kind, what in KINDS.items():
@@ -190,7 +185,7 @@ def main(argv=None) -> int:
                           "native_vs_onnx": compare(calls, d / "native", d / "onnx"),
                           "emulated_vs_onnx": compare(calls, d / "emulated", d / "onnx")}
     rep = {"run": str(run_dir), "export": str(export), "windows": n, "calls": len(calls),
-           "cpu": {"native": cpu_name(), "native_flags": cpu_flags(), "emulated": f"qemu -cpu {a.cpu}"},
+           "cpu": {"native": name, "native_flags": flags, "emulated": f"qemu -cpu {a.cpu}"},
            "onnxruntime": __import__("onnxruntime").__version__, "rows": rows}
     print(table(rep))
     if a.json:
