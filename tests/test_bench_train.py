@@ -200,6 +200,36 @@ def test_train_step_on_cuda_never_waits_for_the_gpu(tiny, B, stage_name):
         torch.cuda.synchronize()
 
 
+def test_a_one_off_cost_the_flop_count_leaves_is_not_timed(tiny, tmp_path, B, monkeypatch):
+    # the count's eager pass can leave the next step a one-off (on CUDA: the allocator's cache laid
+    # out for the eager pass, refilled by the next compiled step): an untimed step must take it
+    import wm.loop as L
+
+    count, step, armed, slept = L.count_flops, L.train_step, [False], []
+
+    def counting(*a, **k):
+        armed[0] = True
+        return count(*a, **k)
+
+    def stepping(*a, **k):
+        if armed[0]:
+            armed[0] = False
+            slept.append(True)
+            time.sleep(1.5)
+        return step(*a, **k)
+
+    monkeypatch.setattr(L, "count_flops", counting)
+    monkeypatch.setattr(L, "train_step", stepping)
+    out = tmp_path / "one.json"
+    assert B.main(tiny.args(out="bench1") + ["--stages", "tokenizer", "--variants", "fp32-b1", "--steps", "3",
+                                             "--warmup", "1", "--json", str(out)]) == 0
+    r = [r for r in json.loads(out.read_text())["results"] if r.get("status") == "ok"][0]
+    assert slept == [True]
+    assert max(r["step_ms_each"]) < 1000, r["step_ms_each"]  # a tiny step takes milliseconds
+    assert r["warmup"] == 2  # the step after the count is untimed
+    assert r["cuda_malloc_calls"] is None and r["alloc_retries"] is None  # CUDA's allocator only
+
+
 @pytest.mark.slow
 def test_a_rank_late_to_the_timed_steps_is_not_timed_as_a_slow_step(tiny, tmp_path):
     # rank 1 counts FLOPs 3 s longer than rank 0 (as ranks do when they finish their warm-up apart):

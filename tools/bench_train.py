@@ -25,7 +25,9 @@ keeps every timed step (`step_ms_each`, from the GPU's clock, the slowest rank's
 the host's time to queue each (`host_queue_ms_each`): a mean step above the median is a few slow
 steps, and a queue time near the step time means the host, not the GPU, sets the pace; each step's
 time in Python's garbage collector (`host_gc_ms_each`, the slowest rank's; the collector as `fit`
-runs it: `--set ddp.gc_every=0` for Python's automatic one) says whether a collection was it. The on-the-fly
+runs it: `--set ddp.gc_every=0` for Python's automatic one) says whether a collection was it; on
+CUDA the allocator's device allocations and cache flushes in the timed steps (`cuda_malloc_calls`,
+`alloc_retries`, the most on any rank; a steady step makes none). The on-the-fly
 variants' FLOPs include the frozen encoder's forward: it is work the step does.
 
 Variants (`--variants`, comma-separated; each runs for every stage of `--stages`):
@@ -285,19 +287,20 @@ class Bench:
         st = self.make_stage(stage, cfg, dtype, onthefly)
         runner = Runner(st, cfg, d, device, dtype)
         try:
-            warmup = max(a.warmup, 3) if cfg.compile.enable else a.warmup
-            r = None
-            for _ in range(warmup):
-                r = runner.step()
-            if r is None:
-                r = runner.step()
+            # at least one untimed step after the FLOP count: the count's eager pass leaves the
+            # allocator's cache laid out for itself, and a one-off refill is not a training step
+            warmup = max(a.warmup, 3 if cfg.compile.enable else 2)
+            r = runner.step()
             # FLOPs of one sample's forward + backward on a batch of this variant's shape (the plain
             # module: no compile, no recomputation from activation checkpointing: the model's FLOPs)
             flops_per_sample = L.count_flops(st, runner.model, r.batch, device, dtype)
+            for _ in range(warmup - 1):
+                r = runner.step()
             if self.cuda:
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
                 before = torch.cuda.memory_allocated(device)
+                mallocs = allocator_calls(device)
             # every rank starts the timed steps together: else the first step's all-reduce holds the
             # ranks that finished the FLOP count early, a wait that training never has
             D.barrier(d)
@@ -327,6 +330,7 @@ class Bench:
                 marks[-1].record()
                 torch.cuda.synchronize(device)
                 per_step = [m0.elapsed_time(m1) / 1e3 for m0, m1 in zip(marks, marks[1:])]
+                mallocs = [n - m for n, m in zip(allocator_calls(device), mallocs)]
             total = time.perf_counter() - t0
             skipped += r.outcome()[0]
             loss = float(r.terms["loss"])
@@ -347,8 +351,11 @@ class Bench:
         if peak is not None:
             act = self._agree((peak - before) / 2**30, "max")
             peak = self._agree(peak / 2**30, "max")
+            # cudaMalloc/cuMemMap calls and cache flushes in the timed steps (the most on any rank):
+            # a steady step allocates nothing new
+            mallocs = [int(n) for n in self._agree_each(mallocs)]
         else:
-            act = None
+            act, mallocs = None, [None, None]
         sps = samples / total
         achieved = flops_per_sample * sps  # all ranks together
         s = getattr(cfg, f"{stage}_stage")
@@ -365,6 +372,7 @@ class Bench:
                "step_ms_p90": p90(each), "step_ms_max": max(each), "step_ms_each": each,
                "host_queue_ms_median": statistics.median(queued), "host_queue_ms_each": queued,
                "gc_every": cfg.ddp.gc_every, "host_gc_ms_each": in_gc, "host_gc_ms_max": max(in_gc),
+               "cuda_malloc_calls": mallocs[0], "alloc_retries": mallocs[1],
                "samples_per_s": sps, "flops_per_sample": flops_per_sample,
                "flops_per_step": flops_per_sample * runner.batch * s.grad_accum * d.world_size,
                "tflops_per_s": achieved / 1e12, "max_mem_gib": peak, "act_mem_gib": act,
@@ -651,6 +659,12 @@ def table(results: list) -> str:
     return "\n".join(lines)
 
 
+def allocator_calls(device) -> list:
+    """[device allocations, failed-allocation cache flushes] the CUDA caching allocator has made so far."""
+    m = torch.cuda.memory_stats(device)
+    return [m.get("num_device_alloc", 0), m.get("num_alloc_retries", 0)]
+
+
 def p90(xs: list) -> float:
     """The 90th percentile (linear between the closest ranks, as numpy's default)."""
     return statistics.quantiles(xs, n=10, method="inclusive")[8] if len(xs) > 1 else xs[0]
@@ -708,7 +722,7 @@ def parse_args(argv=None):
                          "stages timed in one process at their own batches")
     ap.add_argument("--ckpt-k", type=int, default=2, help="checkpoint every k-th block in the bf16-ckptk variant")
     ap.add_argument("--steps", type=int, default=15, help="timed steps per variant")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile: at least 3)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (at least 2, compile: 3; the FLOP count runs after the first)")
     ap.add_argument("--saves", type=int, default=3, help="saves timed in the save variant, each way")
     ap.add_argument("--save-gap", type=int, default=3, help="training steps at least between two async saves")
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON (rank 0)")
