@@ -287,8 +287,8 @@ class Bench:
         st = self.make_stage(stage, cfg, dtype, onthefly)
         runner = Runner(st, cfg, d, device, dtype)
         try:
-            # at least one untimed step after the FLOP count: the count's eager pass leaves the
-            # allocator's cache laid out for itself, and a one-off refill is not a training step
+            # at least one untimed step after the FLOP count: a one-off its eager pass leaves (on
+            # CUDA, an allocator cache laid out for that pass) is not a training step
             warmup = max(a.warmup, 3 if cfg.compile.enable else 2)
             r = runner.step()
             # FLOPs of one sample's forward + backward on a batch of this variant's shape (the plain
