@@ -1,10 +1,11 @@
-"""Data statistics (wm/datastats.py) and the synthetic scenes held to Occ3D's (wm/synthetic.py)."""
+"""Data statistics (wm/datastats.py) and the synthetic scenes held to Occ3D's (wm/synthetic_occ3d.py)."""
 
 import numpy as np
 import pytest
 
 from wm import datastats as S
-from wm import synthetic as synth
+from wm import synthetic as synth, synthetic_occ3d as occ3d
+from wm.synthetic_road import DT, FREE
 from wm.shards import OCC3D_CLASSES
 
 FREE = 17
@@ -86,14 +87,14 @@ def test_synthetic_walls_are_surfaces_not_blocks():
 def test_traffic_moves_like_nuscenes_at_2hz():
     rng = np.random.default_rng(3)
     vox = (0.4, 0.4, 0.4)
-    street = synth._street(rng, 600.0, vox, 16)
-    agents = synth._trajectories(rng, street, 40, 20.0, (np.full(40, -100.0), np.zeros(40)))
+    street = occ3d._street(rng, 600.0, vox, 16)
+    agents = occ3d._trajectories(rng, street, 40, 20.0, (np.full(40, -100.0), np.zeros(40)))
     cars = [a for a in agents if a[0] == OCC3D_CLASSES.index("car")]
     peds = [a for a in agents if a[0] == OCC3D_CLASSES.index("pedestrian")]
     assert len(cars) > 40 and len(peds) > 60
 
     def speeds(a):
-        return np.hypot(np.diff(a[4]), np.diff(a[5])) / synth.DT
+        return np.hypot(np.diff(a[4]), np.diff(a[5])) / DT
 
     v_car = np.concatenate([speeds(a) for a in cars])
     assert v_car.max() <= 15.0 + 1e-6 and (v_car > 8).any()
@@ -103,8 +104,8 @@ def test_traffic_moves_like_nuscenes_at_2hz():
     stop_go = [a for a in cars if (speeds(a) < 0.05).any() and (speeds(a) > 3).any()]
     turned = [a for a in cars if np.ptp(a[6]) > np.pi / 3]
     assert stop_go and turned
-    ex, _ = synth._ego(np.random.default_rng(0), 40)
-    assert (np.diff(ex) / synth.DT <= 14.0 + 1e-6).all()
+    ex, _ = occ3d._ego(np.random.default_rng(0), 40)
+    assert (np.diff(ex) / DT <= 14.0 + 1e-6).all()
 
 
 def test_synthetic_is_deterministic_and_masks_look_like_a_sensor():
@@ -126,9 +127,9 @@ def test_blocks_style_is_the_first_generator_and_a_bad_style_is_refused():
     grid = (64, 64, 8)
     b = synth.make_scene(0, 3, grid, 2, True, 1, style="blocks")
     o = synth.make_scene(0, 3, grid, 2, True, 1, style="occ3d")
-    occupied_b = (b["occ"] != synth.FREE).mean()
-    assert occupied_b > 0.15 and (b["occ"][..., 0] != synth.FREE).all()  # a full ground slab
-    assert (o["occ"] != synth.FREE).mean() < occupied_b / 2
+    occupied_b = (b["occ"] != FREE).mean()
+    assert occupied_b > 0.15 and (b["occ"][..., 0] != FREE).all()  # a full ground slab
+    assert (o["occ"] != FREE).mean() < occupied_b / 2
     again = synth.make_scene(0, 3, grid, 2, True, 1, style="blocks")
     assert all(np.array_equal(b[k], again[k]) for k in ("occ", "pose", "timestamp", "mask"))
     with pytest.raises(DataError, match="style 'solid' must be one of"):

@@ -32,10 +32,16 @@ def main(argv=None) -> int:
     ap.add_argument("--style", choices=list(STYLES), default="occ3d",
                     help="occ3d: observed surfaces with Occ3D's statistics (default occ3d: the demo's scenes, "
                          "synthetic.style); blocks: solid columns, the first generator (configs/demo_blocks.json)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="processes generating scenes (default: one per core, at most 16, for a large data set; "
+                         "1 for a small one); the bytes are the same with any number")
     a = ap.parse_args(argv)
+    if a.workers is not None and a.workers < 1:
+        ap.error(f"--workers {a.workers}: give 1 or more processes")
     t = time.perf_counter()
     m = write_synthetic(a.out, a.train_scenes, a.val_scenes, a.frames, tuple(a.grid), a.seed,
-                        a.format, a.compression, not a.no_mask, a.scenes_per_shard, progress=True, style=a.style)
+                        a.format, a.compression, not a.no_mask, a.scenes_per_shard, progress=True, style=a.style,
+                        workers=a.workers)
     frames = sum(s["frames"] for s in m.shards)
     size = sum(s["bytes"] for s in m.shards)
     print(f"wrote {len(m.shards)} shards, {frames} frames, {size / 2**20:.1f} MiB to {a.out} in "

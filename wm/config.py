@@ -131,7 +131,7 @@ class SyntheticConfig:
     with_mask: bool = True  # write sensor-style visibility masks
     # occ3d: observed surfaces, lidar-like masks, nuScenes-like traffic, Occ3D's statistics;
     # blocks: solid columns, 37 % occupied (the first generator, far easier than Occ3D)
-    style: str = "occ3d"  # which generator: occ3d | blocks (wm/synthetic.py)
+    style: str = "occ3d"  # which generator: occ3d | blocks (wm/synthetic_occ3d.py, wm/synthetic_blocks.py)
     # Generated once, into <cache_dir>/<hash of these settings>. Empty: $WM_CACHE or ~/.cache/wm.
     cache_dir: str = rule("", resume=FREE)  # where generated sets are kept (empty: $WM_CACHE or ~/.cache/wm)
 

@@ -4,7 +4,7 @@ A straight street in its own road frame: a road with two lanes each way, sidewal
 solid blocks of buildings, trees, terrain and parking, with poles, barriers and cones; cars, trucks,
 buses, bicycles and pedestrians move along it at constant speeds, and the ego drives its lane at a
 slowly varying speed. Every column is filled from the ground up, so about 37 % of voxels are
-occupied and the two lowest levels are full: far easier than Occ3D (wm/synthetic.py's docstring and
+occupied and the two lowest levels are full: far easier than Occ3D (wm/synthetic_occ3d.py's docstring and
 BENCHMARKS.md, "Synthetic scenes against Occ3D"). `synthetic.style = "blocks"` selects them
 (configs/demo_blocks.json: the first demo); the default is the Occ3D-like `occ3d`. The constants are
 wm.synthetic_road's, shared with it.

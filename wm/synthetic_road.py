@@ -1,4 +1,4 @@
-"""What both synthetic styles share (wm/synthetic.py's "occ3d" scenes, wm/synthetic_blocks.py's
+"""What both synthetic styles share (wm/synthetic_occ3d.py's "occ3d" scenes, wm/synthetic_blocks.py's
 "blocks"): Occ3D-nuScenes' class ids, the 2 Hz frame step, the road's lanes and sidewalks, agent sizes,
 the ego's lane, and the record a rendered scene becomes."""
 
