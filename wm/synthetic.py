@@ -109,8 +109,8 @@ def _scene_worker(jobs: list[tuple], out, close: list) -> None:
     (the pipe holds about one scene, so a worker runs at most a scene ahead of the writer)."""
     import signal
 
-    # the parent alone decides (as for the DataLoader's workers): a group's SIGTERM or Ctrl-C stops
-    # it, and it kills its workers; a killed parent leaves them a pipe without reader, and they exit
+    # the parent alone decides what a group's SIGTERM or Ctrl-C does (as for the DataLoader's workers)
+    # and kills its workers when it stops; a killed parent leaves them a pipe without reader: they exit
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for c in close:  # the read ends this process inherited: else a pipe never loses its last reader
@@ -118,7 +118,7 @@ def _scene_worker(jobs: list[tuple], out, close: list) -> None:
     for job in jobs:
         try:
             scene = make_scene(*job)
-        except Exception as e:  # noqa: BLE001 - raised in the parent, where the writer stops
+        except Exception as e:  # sent on and raised in the parent, where the writer stops
             scene = e if isinstance(e, DataError) else DataError(f"synthetic scene {job[1]}: {type(e).__name__}: {e}")
         try:
             out.send(scene)
