@@ -419,11 +419,18 @@ def test_torch_engine_report_holds_each_graphs_parity_with_the_files(run):
     from wm.export.report import accuracy_report, format_report
 
     cfg = run.trained.cfg
+    lines = []
     acc = accuracy_report(run.trained, run.out, 4, batch=2, engine="torch", device="cpu",
-                          programs=run.programs, parity_windows=3, log=lambda s: None)
+                          programs=run.programs, parity_windows=3, log=lines.append)
     assert acc["models"]["onnx_int8_ort"]["engine"].startswith("torch cpu (Q/DQ of the .int8-ort.onnx files")
     p = acc["parity"]
-    assert p["windows"] == 3
+    assert p["windows"] == 3 and p["seconds"] > 0
+    # onnxruntime's CPU minutes are a phase after the report's windows, with their own progress, so
+    # the report's rate and ETA are the torch rows' alone
+    said = [i for i, ln in enumerate(lines) if ln.startswith("parity: onnxruntime runs")]
+    done = [i for i, ln in enumerate(lines) if ln.strip().startswith("report: 4/4 windows")]
+    assert len(said) == 1 and done and done[0] < said[0], lines
+    assert lines[said[0] + 1:][-1].strip().startswith("parity: 9/9 windows x files"), lines
     assert set(p["graphs"]) == {"onnx_fp32_vs_pytorch_fp32", "onnx_int8_vs_emulated_int8",
                                 "onnx_int8_ort_vs_emulated_int8_ort"}
     for k, g in p["graphs"].items():
@@ -810,6 +817,8 @@ def test_time_estimate_and_budget():
     line = I.time_estimate(30, 20, 4, 10.0)
     assert "calibration about 10 min (30 windows, 2 passes), report about 13 min (20 windows x 4 rows)" in line
     assert I.time_estimate(30, 20, 4, 10.0, budget_s=3600) == line  # fits
+    assert I.time_estimate(30, 20, 4, 10.0, parity=2) == line + (
+        ", then the parity of 2 windows in onnxruntime on the CPU (its own ETA)")
     with pytest.raises(WMError, match=r"about 23 min, over --time-budget 4 min: rerun with --calib-windows 4 "
                                       r"--eval-windows 3"):  # 230 / 1400 of each
         I.time_estimate(30, 20, 4, 10.0, budget_s=230)

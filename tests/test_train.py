@@ -857,10 +857,13 @@ def test_the_first_steps_time_is_logged_apart_and_the_rate_after_it_is_the_stead
         return real(*a, **kw)
 
     monkeypatch.setattr(L, "train_step", slow_first)
-    assert T.main(tiny.args(tokenizer_stage__max_steps=3, logging__every=3)) == 0
+    assert T.main(tiny.args(tokenizer_stage__max_steps=9, logging__every=3)) == 0
     out = capsys.readouterr().out
     m = re.search(r"^tokenizer: first step (\d+\.\d) s$", out, re.M)
     assert m and float(m.group(1)) >= 2.0, out
     recs = [json.loads(ln) for ln in (tiny.run_dir() / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     rate = [r["perf/samples_per_s"] for r in recs if "perf/samples_per_s" in r]
-    assert len(rate) == 1 and rate[0] > 2 * 2 / 1.0, rate  # steps 2 and 3 of batch 2: not the 2 s of the first
+    assert len(rate) == 3 and rate[0] > 2 * 2 / 1.0, rate  # steps 2 and 3 of batch 2: not the 2 s of the first
+    # the ETA at step 3 is of 6 steps at the steady rate; with the first step's 2 s in the rate it said >= 4 s
+    eta = re.search(r"^tokenizer step 3/9 .* ETA (\d+)m(\d\d)s$", out, re.M)
+    assert eta and 60 * int(eta.group(1)) + int(eta.group(2)) < 3, out

@@ -407,6 +407,7 @@ class StageLoop:
         self.next_batch = BatchStream(self.loader, self.sampler, self.batch * d.world_size)
         self.t_last, self.samples_since, self.wait_since = time.perf_counter(), 0, 0.0
         self.t_start, self.step_start = time.perf_counter(), self.step
+        self.t_steady, self.step_steady = self.t_start, self.step  # from the end of the first step, for the ETA
         self.model.train()
 
     def schedule(self) -> None:
@@ -427,6 +428,7 @@ class StageLoop:
         if step == self.step_start + 1:
             self.run.say(f"{self.stage.name}: first step {time.perf_counter() - self.t_last:.1f} s"
                          + (" (torch.compile compiling)" if self.fwd is not self.ddp else ""))
+            self.t_steady, self.step_steady = time.perf_counter(), step  # a compilation is no guide to the rest
             if not due.log:
                 self.t_last, self.samples_since, self.wait_since = time.perf_counter(), 0, 0.0
         return due
@@ -471,7 +473,9 @@ class StageLoop:
         if self.ckpt is not None and self.ckpt.last_blocked_s:
             rec["perf/ckpt_blocked_s"] = self.ckpt.last_blocked_s
         self.logger.scalars(self.step, rec, kind=f"{self.stage.name}/train")
-        rate = (self.step - self.step_start) / max(1e-9, time.perf_counter() - self.t_start)
+        done, t0 = ((self.step - self.step_steady, self.t_steady) if self.step > self.step_steady
+                    else (self.step - self.step_start, self.t_start))
+        rate = done / max(1e-9, time.perf_counter() - t0)
         self.logger.console(f"{self.stage.name} step {self.step}/{self.total} loss {vals['loss']:.4f} "
                           f"lr {rec['train/lr']:.2e} {rec['perf/samples_per_s']:.1f} samples/s "
                           f"data wait {100 * rec['perf/data_wait_frac']:.0f}% "

@@ -287,16 +287,18 @@ def check_windows(trained, calib_windows: int, eval_windows: int, root=None, spl
     return len(ci), len(ei)
 
 
-def time_estimate(calib: int, evals: int, rows: int, sec: float, budget_s: float = 0.0) -> str:
+def time_estimate(calib: int, evals: int, rows: int, sec: float, budget_s: float = 0.0, parity: int = 0) -> str:
     """The INT8 step's time from one calibration window's seconds: two calibration passes over
     `calib` windows, then `rows` report rows over `evals` windows, each about a calibration window's
-    work. With a budget it is exceeded, Int8Error naming the window counts that fit it."""
+    work; `parity` windows of onnxruntime on the CPU after them are named, not estimated (no GPU
+    window tells their time). With a budget it is exceeded, Int8Error naming the window counts that fit it."""
     def fmt(x: float) -> str:
         return f"{x / 60:.0f} min" if x >= 120 else f"{x:.0f} s"
 
     cal_s, rep_s = 2 * calib * sec, rows * evals * sec
     line = (f"estimate from the first window ({sec:.1f} s each): calibration about {fmt(cal_s)} "
-            f"({calib} windows, 2 passes), report about {fmt(rep_s)} ({evals} windows x {rows} rows)")
+            f"({calib} windows, 2 passes), report about {fmt(rep_s)} ({evals} windows x {rows} rows)"
+            + (f", then the parity of {parity} windows in onnxruntime on the CPU (its own ETA)" if parity else ""))
     if budget_s > 0 and cal_s + rep_s > budget_s:
         f = budget_s / (cal_s + rep_s)
         raise Int8Error(f"the INT8 step would take about {fmt(cal_s + rep_s)}, over --time-budget "
@@ -340,10 +342,11 @@ def run_int8(trained, out_dir, calib_windows: int = 128, eval_windows: int = 64,
     _, ev, _ = windows(trained, kw.get("root"), trained.cfg.data.val_split, eval_windows, "--eval-windows",
                        lambda s: None)
     rows = 1 + sum(all(p.is_file() for p in graph_files(out_dir, k).values()) for k in ("", ".fp16")) + 2
-    rows += 2 if pick_engine(engine, "report")[0] == "torch" else 0  # INT8_PARTS' rows
+    on_torch = pick_engine(engine, "report")[0] == "torch"
+    rows += 2 if on_torch else 0  # INT8_PARTS' rows
 
     def estimate(calib: int, sec: float) -> None:
-        log(time_estimate(calib, len(ev), rows, sec, budget_s))
+        log(time_estimate(calib, len(ev), rows, sec, budget_s, parity=min(parity_windows, len(ev)) if on_torch else 0))
 
     q = int8_export(trained, out_dir, calib_windows, batch=batch, trt_version=trt_version, log=log,
                     engine=engine, programs=programs, mark=mark, first_window=estimate, **kw)
@@ -353,7 +356,10 @@ def run_int8(trained, out_dir, calib_windows: int = 128, eval_windows: int = 64,
     t0 = time.perf_counter()
     rep = accuracy_report(trained, out_dir, eval_windows, batch=batch, root=kw.get("root"), engine=eng,
                           device=dev, programs=programs, parity_windows=parity_windows, log=log)
-    q["seconds"]["report"] = round(time.perf_counter() - t0, 2)
+    parity_s = rep.get("parity", {}).get("seconds", 0.0)  # onnxruntime on the CPU: its own phase
+    q["seconds"]["report"] = round(time.perf_counter() - t0 - parity_s, 2)
+    if parity_s:
+        q["seconds"]["parity"] = parity_s
     if mark:
         mark("int8_report")
     full = {"checkpoint": str(trained.ckpt), "data_fingerprint": trained.data_fingerprint,

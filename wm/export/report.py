@@ -14,7 +14,7 @@ Rows (IoU / mIoU in percent per future step, averaged; drops against PyTorch FP3
   file's quantization applied to the exported program on the GPU (its scales bit for bit, its int8
   weights; wm.export.forecast.QdqPlan), FP16 the modules under float16 autocast, and ``parity`` runs
   onnxruntime on the first `parity_windows` windows and gives its voxel agreement with the torch
-  rows (FP32 and both INT8 files);
+  rows (FP32 and both INT8 files), after the report's windows, as a phase of its own;
 - ``int8_tokenizer`` / ``int8_world`` (engine torch only, where they cost seconds): ``onnx_int8`` for
   the tokenizer's two graphs alone or the world step alone, the other graphs FP32: which part an
   INT8 drop comes from, so that part can be kept float (``export.py --int8-float``) or in FP16;
@@ -182,6 +182,7 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
     # the torch row each onnxruntime row is held against
     par_src = {"onnx_fp32": "pytorch_fp32", "onnx_int8": "onnx_int8", "onnx_int8_ort": "onnx_int8_ort"}
     tees = {v: GraphParity(rows[par_src[v]][0], run) for v, run in ort.items()}
+    kept = []  # the first parity_windows windows: their inputs and the torch rows' forecasts
     prog = Progress("report", len(idx), "windows", log)
     for b in batches(ds, idx, int(batch)):
         occ, motion = b["occ"], b["motion"]
@@ -206,15 +207,24 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
             agree[v][0] += int((p == ref).sum())
             agree[v][1] += p.numel()
         n = min(len(occ), parity_windows - parity["windows"])
-        if ort and n > 0:
-            first = [a[:n] if a is not None else None for a in args]
-            for v, run in ort.items():
-                got = forecast(run, cfg, *first)
-                par[v][0] += int((got == preds[par_src[v]][:n]).sum())
-                par[v][1] += got.numel()
-                forecast(tees[v], cfg, *first)  # the torch row's rollout, each call also in onnxruntime
+        if ort and n > 0:  # kept for the parity phase, apart: its CPU minutes would make this ETA no guide
+            kept.append(([a[:n].clone() if a is not None else None for a in args],
+                         {v: preds[par_src[v]][:n].clone() for v in ort}))
             parity["windows"] += n
         prog.step(len(occ))
+    report_s = prog.seconds
+    if kept:
+        log(f"parity: onnxruntime runs the FP32 and both INT8 files on the CPU ({os.cpu_count()} CPU threads) on the "
+            f"first {parity['windows']} windows, as rollouts and graph by graph")
+        pp = Progress("parity", len(ort) * parity["windows"], "windows x files", log)
+        for first, torch_preds in kept:
+            for v, run in ort.items():
+                got = forecast(run, cfg, *first)
+                par[v][0] += int((got == torch_preds[v]).sum())
+                par[v][1] += got.numel()
+                forecast(tees[v], cfg, *first)  # the torch row's rollout, each call also in onnxruntime
+                pp.step(len(got))
+        parity["seconds"] = round(pp.seconds, 2)
     out = {}
     per_window = {v: torch.stack(c) for v, c in per_window.items()}
     for v in variants:
@@ -250,7 +260,7 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
     res = {"split": split, "windows": int(len(idx)), "data_root": str(root), "future_steps": S,
            "data_fingerprint_matches_checkpoint": (ds.fingerprint == fp) if fp else None,
            "unit": "percent", "metric_mode": "exclude", "batch": int(batch), "engine": engine,
-           "device": str(device), "cpu_threads": os.cpu_count(), "seconds": round(prog.seconds, 2),
+           "device": str(device), "cpu_threads": os.cpu_count(), "seconds": round(report_s, 2),
            "models": out}
     if ort:
         res["parity"] = parity
