@@ -806,6 +806,22 @@ def test_int8_cpus_tool_compares_the_files_on_two_cpu_classes(run, trained_tiny,
     assert "native_vs_emulated" in p.stdout and "world_step" in p.stdout
 
 
+@needs_qemu
+def test_int8_cpus_tool_runs_again_only_the_first_calls_of_each_graph(run, trained_tiny, tmp_path):
+    """--calls-per-graph: the rollout is whole, the three ways run the first N calls of each graph."""
+    out = tmp_path / "cpus.json"
+    p = _int8_cpus("--run", trained_tiny.run_dir(), "--export", run.out, "--windows", 2, "--batch", 1,
+                   "--calls-per-graph", 1, "--json", out)
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert d["windows"] == 2 and d["calls"] == 3 and d["calls_per_graph"] == 1
+    for kind in (".int8-ort", ".int8"):
+        got = d["rows"][kind]["native_vs_emulated"]
+        assert {g: r["calls"] for g, r in got.items()} == dict.fromkeys(("tokenizer_encode", "world_step", "tokenizer_decode"), 1), kind
+    p = _int8_cpus("--run", trained_tiny.run_dir(), "--export", run.out, "--calls-per-graph", -1)
+    assert p.returncode == 2 and "--calls-per-graph must be >= 0" in p.stderr and p.stderr.count("\n") == 1
+
+
 def test_int8_cpus_tool_refuses_an_export_without_int8_files(trained_tiny, tmp_path):
     p = _int8_cpus("--run", trained_tiny.run_dir(), "--export", tmp_path)
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr

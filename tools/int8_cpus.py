@@ -12,6 +12,7 @@ three ways on the inputs of real rollouts and reports, per graph, how many outpu
 
     python tools/int8_cpus.py --run runs/demo                          # its export/, 8 validation windows
     python tools/int8_cpus.py --run runs/demo --cpu Skylake-Client --windows 16 --json cpus.json
+    python tools/int8_cpus.py --run runs/occworld --windows 1 --batch 1 --calls-per-graph 1   # a large model
 
 Both INT8 files are run: `.int8-ort.onnx` (onnxruntime's copy: weights of matrix products within
 +-64, exact on every x86 CPU) and `.int8.onnx` (TensorRT's: the full int8 range). The rollouts run
@@ -93,6 +94,17 @@ def record_calls(run_dir: Path, export: Path, windows: int, batch: int, folder: 
     return calls, len(idx)
 
 
+def first_calls(calls: list, per_graph: int) -> list:
+    """The first `per_graph` calls of each graph, in the rollout's order."""
+    seen: dict = {}
+    kept = []
+    for graph, feed in calls:
+        seen[graph] = seen.get(graph, 0) + 1
+        if seen[graph] <= per_graph:
+            kept.append((graph, feed))
+    return kept
+
+
 def run_way(calls: list, files: dict, mode: str, qemu: list, folder: Path) -> None:
     """Every call through `files` ({graph: model}) in one process (under `qemu` if given)."""
     folder.mkdir()
@@ -149,12 +161,15 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", default="Haswell", help="qemu's CPU model to compare with (qemu-x86_64 -cpu help)")
     ap.add_argument("--windows", type=int, default=8, help="validation windows rolled out (0: all)")
     ap.add_argument("--batch", type=int, default=4, help="windows per rollout")
+    ap.add_argument("--calls-per-graph", type=int, default=0,
+                    help="run again only the first N calls of each graph (0: all): under qemu a large "
+                         "model's call takes many minutes")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
     from wm.export.report import graph_files
 
-    if a.windows < 0 or a.batch < 1:
-        raise WMError("--windows must be >= 0 (0: all) and --batch >= 1")
+    if a.windows < 0 or a.batch < 1 or a.calls_per_graph < 0:
+        raise WMError("--windows and --calls-per-graph must be >= 0 (0: all) and --batch >= 1")
     run_dir = Path(a.run)
     export = Path(a.export) if a.export else run_dir / "export"
     for kind in KINDS:
@@ -170,6 +185,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="wm-int8-cpus-") as tmp:
         tmp = Path(tmp)
         calls, n = record_calls(run_dir, export, a.windows, a.batch, tmp, say)
+        if a.calls_per_graph:
+            calls = first_calls(calls, a.calls_per_graph)
         say(f"{n} windows rolled out: {len(calls)} graph calls, each run natively ({name}), "
             f"under qemu -cpu {a.cpu}, and as its ONNX semantics")
         rows = {}
@@ -185,6 +202,7 @@ def main(argv=None) -> int:
                           "native_vs_onnx": compare(calls, d / "native", d / "onnx"),
                           "emulated_vs_onnx": compare(calls, d / "emulated", d / "onnx")}
     rep = {"run": str(run_dir), "export": str(export), "windows": n, "calls": len(calls),
+           "calls_per_graph": a.calls_per_graph or None,
            "cpu": {"native": name, "native_flags": flags, "emulated": f"qemu -cpu {a.cpu}"},
            "onnxruntime": __import__("onnxruntime").__version__, "rows": rows}
     print(table(rep))
