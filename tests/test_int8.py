@@ -815,9 +815,10 @@ def test_int8_cpus_tool_runs_again_only_the_first_calls_of_each_graph(run, train
     assert p.returncode == 0, p.stderr[-3000:]
     d = json.loads(out.read_text())
     assert d["windows"] == 2 and d["calls"] == 3 and d["calls_per_graph"] == 1
+    one_each = dict.fromkeys(("tokenizer_encode", "world_step", "tokenizer_decode"), 1)
     for kind in (".int8-ort", ".int8"):
         got = d["rows"][kind]["native_vs_emulated"]
-        assert {g: r["calls"] for g, r in got.items()} == dict.fromkeys(("tokenizer_encode", "world_step", "tokenizer_decode"), 1), kind
+        assert {g: r["calls"] for g, r in got.items()} == one_each, kind
     p = _int8_cpus("--run", trained_tiny.run_dir(), "--export", run.out, "--calls-per-graph", -1)
     assert p.returncode == 2 and "--calls-per-graph must be >= 0" in p.stderr and p.stderr.count("\n") == 1
 
