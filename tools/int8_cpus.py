@@ -162,8 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=8, help="validation windows rolled out (0: all)")
     ap.add_argument("--batch", type=int, default=4, help="windows per rollout")
     ap.add_argument("--calls-per-graph", type=int, default=0,
-                    help="run again only the first N calls of each graph (0: all): under qemu a large "
-                         "model's call takes many minutes")
+                    help="run again only the first N calls of each graph (0: all): under qemu an occworld-size "
+                         "call took 3 to 10 minutes on 2 cores")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
     from wm.export.report import graph_files
