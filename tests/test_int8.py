@@ -415,7 +415,10 @@ def test_torch_engine_report_holds_each_graphs_parity_with_the_files(run):
     """The GPU path's report (engine torch; here on the CPU): the rows are the emulation, and parity
     runs the files in onnxruntime on the first windows, as rollouts and graph by graph on the torch
     rows' own inputs. On the same inputs the FP32 file and both INT8 files compute what their torch
-    rows compute (codes and classes; a near-tie may flip), and the table prints the per-step drops."""
+    rows compute (codes and classes; a near-tie may flip), the files' rollouts are scored as the
+    files' own report scores them, and the table prints the per-step drops."""
+    import copy
+
     from wm.export.report import accuracy_report, format_report
 
     cfg = run.trained.cfg
@@ -425,6 +428,34 @@ def test_torch_engine_report_holds_each_graphs_parity_with_the_files(run):
     assert acc["models"]["onnx_int8_ort"]["engine"].startswith("torch cpu (Q/DQ of the .int8-ort.onnx files")
     p = acc["parity"]
     assert p["windows"] == 3 and p["seconds"] > 0
+    # the parity also scores each file's rollouts and its torch row's on those windows: the first 3
+    # of the report's 4, in its batches ([0, 1], then [2] cut from [2, 3]); scored here by hand
+    from wm.export.collect import batches, windows
+    from wm.export.forecast import TorchGraphs, forecast
+    from wm.export.onnx import graphs
+    from wm.export.report import ort_row
+    from wm.metrics import ConfusionMatrix
+
+    ds, idx, _ = windows(run.trained, None, cfg.data.val_split, 4, "", lambda s: None)
+    P, S = cfg.data.past, cfg.data.future
+    engines = {"onnx_fp32": ort_row(run.out, "onnx_fp32"), "onnx_int8_ort": ort_row(run.out, "onnx_int8_ort"),
+               "pytorch_fp32": TorchGraphs(graphs(run.trained))}
+    cms = {v: ConfusionMatrix(cfg.data.num_classes, cfg.data.free_class, S) for v in engines}
+    for b in batches(ds, idx[:3], 2):
+        fut = b["motion"][:, P:] if cfg.train.forecast_motion == "given" else None
+        for v, eng in engines.items():
+            cms[v].update(forecast(eng, cfg, b["occ"][:, :P], b["motion"][:, :P], fut), b["occ"][:, P:],
+                          b["mask"][:, P:] if "mask" in b else None)
+    want = {v: cm.summary() for v, cm in cms.items()}
+    assert set(p["accuracy"]) == set(p["graphs"])
+    a = p["accuracy"]["onnx_fp32_vs_pytorch_fp32"]
+    assert (a["file_iou_avg"], a["file_miou_avg"]) == pytest.approx((want["onnx_fp32"]["iou_avg"],
+                                                                      want["onnx_fp32"]["miou_avg"]), abs=1e-9)
+    assert (a["torch_iou_avg"], a["torch_miou_avg"]) == pytest.approx((want["pytorch_fp32"]["iou_avg"],
+                                                                        want["pytorch_fp32"]["miou_avg"]), abs=1e-9)
+    a = p["accuracy"]["onnx_int8_ort_vs_emulated_int8_ort"]
+    assert (a["file_iou_avg"], a["file_miou_avg"]) == pytest.approx((want["onnx_int8_ort"]["iou_avg"],
+                                                                      want["onnx_int8_ort"]["miou_avg"]), abs=1e-9)
     # onnxruntime's CPU minutes are a phase after the report's windows, with their own progress, so
     # the report's rate and ETA are the torch rows' alone
     said = [i for i, ln in enumerate(lines) if ln.startswith("parity: onnxruntime runs")]
@@ -456,6 +487,16 @@ def test_torch_engine_report_holds_each_graphs_parity_with_the_files(run):
     assert "each graph on the same inputs, onnx_int8_ort_vs_emulated_int8_ort: tokenizer_encode" in table
     per_step = [ln for ln in table.splitlines() if ln.startswith("  onnx_int8 ")]
     assert len(per_step) == 1 and f"t+{S} " in per_step[0] and "±" in per_step[0]
+    assert "IoU / mIoU on these windows, the file in onnxruntime | its torch row, onnx_int8_vs_emulated_int8" in table
+    # under 99 % of equal voxels the table says the INT8 rows are the emulation's, and how to get the files' own
+    d = copy.deepcopy(acc)
+    d["parity"].update(onnx_fp32_vs_pytorch_fp32=0.5, onnx_int8_vs_emulated_int8=0.99,
+                       onnx_int8_ort_vs_emulated_int8_ort=0.985, seconds=36.0)
+    said = [ln for ln in format_report(d).splitlines() if "tools/int8_report.py" in ln]
+    assert len(said) == 1 and said[0].startswith("onnx_int8_ort: the files in onnxruntime agree"), said
+    assert "--rows onnx_int8_ort (onnxruntime on the CPU, about 2 s per window and file here)" in said[0]
+    d["parity"]["onnx_int8_ort_vs_emulated_int8_ort"] = 0.99
+    assert "tools/int8_report.py" not in format_report(d)
 
 
 def _small_model(path: Path):
@@ -774,13 +815,17 @@ def test_onnxruntime_int8_copy_computes_its_onnx_semantics_on_an_avx2_cpu(run, t
                 assert (x == y).mean() >= 0.99, g
 
 
-def _int8_cpus(*args):
+def _tool(name, *args):
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    return subprocess.run([sys.executable, str(root / "tools" / "int8_cpus.py"), *map(str, args)], cwd=root,
+    return subprocess.run([sys.executable, str(root / "tools" / name), *map(str, args)], cwd=root,
                           capture_output=True, text=True, timeout=900)
+
+
+def _int8_cpus(*args):
+    return _tool("int8_cpus.py", *args)
 
 
 @needs_qemu
@@ -827,6 +872,43 @@ def test_int8_cpus_tool_refuses_an_export_without_int8_files(trained_tiny, tmp_p
     p = _int8_cpus("--run", trained_tiny.run_dir(), "--export", tmp_path)
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
     assert f"{tmp_path / 'tokenizer_encode.int8-ort.onnx'} does not exist; run export.py --run" in p.stderr
+
+
+def test_int8_report_tool_scores_the_files_themselves(run, trained_tiny, tmp_path):
+    """tools/int8_report.py: the report with every asked row run by onnxruntime on the files (the
+    numbers accuracy_report's onnxruntime engine gives), written apart from report.json and set
+    beside it; an unknown row or an export without INT8 files is refused in one line."""
+    from wm.export.report import accuracy_report
+
+    out = tmp_path / "own.json"
+    before = (run.out / "report.json").read_bytes()
+    p = _tool("int8_report.py", "--run", trained_tiny.run_dir(), "--export", run.out, "--eval-windows", 4,
+              "--rows", "onnx_int8_ort", "--json", out)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(out.read_text())["accuracy"]
+    assert list(got["models"]) == ["pytorch_fp32", "onnx_int8_ort", "copy_last"]
+    assert got["models"]["onnx_int8_ort"]["engine"] == "onnxruntime cpu int8 kernels"
+    want = accuracy_report(run.trained, run.out, 4, batch=2, engine="onnxruntime", rows=["onnx_int8_ort"],
+                           log=lambda s: None)
+    for v in got["models"]:
+        assert got["models"][v]["miou"] == pytest.approx(want["models"][v]["miou"], abs=1e-9), v
+    assert (run.out / "report.json").read_bytes() == before
+    side = p.stdout[p.stdout.index("beside the export's report.json"):].splitlines()
+    assert side[0].startswith("beside the export's report.json (engine onnxruntime, 9 windows)"), side
+    assert side[1].split()[0] == "onnx_int8_ort" and side[2].startswith("  copy_last"), side
+
+    p = _tool("int8_report.py", "--run", trained_tiny.run_dir(), "--export", run.out, "--rows", "onnx_int4")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "no row onnx_int4 with engine onnxruntime here; rows are onnx_fp32, onnx_fp16, onnx_int8, onnx_int8_ort" \
+        in p.stderr
+    empty = tmp_path / "empty"
+    shutil.copy(run.out / "tokenizer_encode.onnx", empty.mkdir() or empty)
+    for g in ("world_step", "tokenizer_decode"):
+        shutil.copy(run.out / f"{g}.onnx", empty)
+    p = _tool("int8_report.py", "--run", trained_tiny.run_dir(), "--export", empty)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert f"{empty / 'tokenizer_encode.int8.onnx'} does not exist; run the INT8 step (export.py --int8) first" \
+        in p.stderr
 
 
 def test_time_estimate_and_budget():

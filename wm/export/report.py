@@ -31,7 +31,11 @@ For the same reason the rollout parity (two engines' forecasts, voxel by voxel) 
 engines compute differently with what a flipped token does to every later frame. ``parity`` therefore
 also holds each graph's agreement on the same inputs (``graphs``: the torch row's own inputs to
 each call handed to onnxruntime too, its integer codes or its decoded classes compared): that is
-how far the file and the emulation compute the same thing.
+how far the file and the emulation compute the same thing. And it scores the files' rollouts and
+the torch rows' on those windows alike (``accuracy``), since what the report promises is the
+accuracy: where an INT8 file's rollouts agree with its row on under PARITY_MIN of the voxels, the
+printed report says so and names tools/int8_report.py, which runs the files themselves on every
+window.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -52,6 +56,9 @@ VARIANTS = ("pytorch_fp32", "onnx_fp32", "onnx_fp16", "onnx_int8", "onnx_int8_or
 INT8_PARTS = {"int8_tokenizer": ("tokenizer_encode", "tokenizer_decode"), "int8_world": ("world_step",)}
 GRAPHS = ("tokenizer_encode", "world_step", "tokenizer_decode")
 CPU_INT8 = ".int8-ort"  # onnxruntime's INT8 copies (wm.export.qdq.cpu_copy)
+# below this share of equal voxels between a file's rollouts in onnxruntime and its emulated row,
+# the report says that its INT8 rows are the emulation's and how to get the files' own
+PARITY_MIN = 0.99
 # row -> (file kind, onnxruntime runs its Q/DQ as float ops)
 ROW_FILES = {"onnx_fp32": ("", False), "onnx_fp16": (".fp16", False), "onnx_int8": (".int8", True),
              "onnx_int8_ort": (CPU_INT8, False)}
@@ -147,10 +154,11 @@ def _engines(trained, out_dir: Path, engine: str, device, programs) -> dict[str,
 def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4, root=None,
                     split: Optional[str] = None, engine: str = "onnxruntime", device="cpu",
                     programs: Optional[Mapping] = None, parity_windows: int = 2,
-                    log: Callable[[str], None] = print) -> dict:
+                    log: Callable[[str], None] = print, rows: Optional[Sequence[str]] = None) -> dict:
     """IoU / mIoU (percent) per future step on `held_out_windows` windows (0: all) of the run's VAL
     split, evenly spread; see the module docstring for the rows. `programs` ({graph:
-    ExportedProgram}, what export_graph returned) is needed by engine "torch". JSON-ready."""
+    ExportedProgram}, what export_graph returned) is needed by engine "torch". `rows`: only these
+    rows besides pytorch_fp32 and copy_last (default: every row the engine has files for). JSON-ready."""
     from wm.export.collect import Progress, batches, windows
     from wm.export.forecast import forecast
     from wm.metrics import ConfusionMatrix, copy_last
@@ -167,7 +175,14 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
                 raise Int8Error(f"{f} does not exist; run the INT8 step (export.py --int8) first")
     if engine == "torch" and not programs:
         raise Int8Error("the torch engine needs the exported programs of this export (export.py passes them)")
+    only = rows
     rows = _engines(trained, out_dir, engine, device, programs)
+    if only is not None:
+        bad = sorted(set(only) - set(rows) - {"pytorch_fp32"})
+        if bad:
+            raise Int8Error(f"no row {', '.join(bad)} with engine {engine} here; rows are "
+                            f"{', '.join(v for v in rows if v != 'pytorch_fp32')}")
+        rows = {v: r for v, r in rows.items() if v == "pytorch_fp32" or v in only}
     variants = [v for v in VARIANTS if v in rows or v == "copy_last"]
     ds, idx, root = windows(trained, root, split, held_out_windows, "--eval-windows", log)
     P, S, C, free = cfg.data.past, cfg.data.future, cfg.data.num_classes, cfg.data.free_class
@@ -182,7 +197,7 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
     # the torch row each onnxruntime row is held against
     par_src = {"onnx_fp32": "pytorch_fp32", "onnx_int8": "onnx_int8", "onnx_int8_ort": "onnx_int8_ort"}
     tees = {v: GraphParity(rows[par_src[v]][0], run) for v, run in ort.items()}
-    kept = []  # the first parity_windows windows: their inputs and the torch rows' forecasts
+    kept = []  # the first parity_windows windows: inputs, the torch rows' forecasts, targets and masks
     prog = Progress("report", len(idx), "windows", log)
     for b in batches(ds, idx, int(batch)):
         occ, motion = b["occ"], b["motion"]
@@ -209,7 +224,8 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
         n = min(len(occ), parity_windows - parity["windows"])
         if ort and n > 0:  # kept for the parity phase, apart: its CPU minutes would make this ETA no guide
             kept.append(([a[:n].clone() if a is not None else None for a in args],
-                         {v: preds[par_src[v]][:n].clone() for v in ort}))
+                         {v: preds[par_src[v]][:n].clone() for v in ort}, target[:n].clone(),
+                         None if mask is None else mask[:n].clone()))
             parity["windows"] += n
         prog.step(len(occ))
     report_s = prog.seconds
@@ -217,11 +233,15 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
         log(f"parity: onnxruntime runs the FP32 and both INT8 files on the CPU ({os.cpu_count()} CPU threads) on the "
             f"first {parity['windows']} windows, as rollouts and graph by graph")
         pp = Progress("parity", len(ort) * parity["windows"], "windows x files", log)
-        for first, torch_preds in kept:
+        # a flipped near-tie moves voxels, not the accuracy: both scored on the same windows
+        scored = {v: (ConfusionMatrix(C, free, S), ConfusionMatrix(C, free, S)) for v in ort}
+        for first, torch_preds, tgt, msk in kept:
             for v, run in ort.items():
                 got = forecast(run, cfg, *first)
                 par[v][0] += int((got == torch_preds[v]).sum())
                 par[v][1] += got.numel()
+                scored[v][0].update(got, tgt, msk)
+                scored[v][1].update(torch_preds[v], tgt, msk)
                 forecast(tees[v], cfg, *first)  # the torch row's rollout, each call also in onnxruntime
                 pp.step(len(got))
         parity["seconds"] = round(pp.seconds, 2)
@@ -256,6 +276,11 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
         for v, k in names.items():
             parity[k] = par[v][0] / max(par[v][1], 1)
         parity["graphs"] = {names[v]: t.agreement() for v, t in tees.items()}
+        parity["accuracy"] = {}
+        for v, cms in scored.items():
+            (f, t) = (cm.summary() for cm in cms)
+            parity["accuracy"][names[v]] = {"file_iou_avg": _num(f["iou_avg"]), "file_miou_avg": _num(f["miou_avg"]),
+                                           "torch_iou_avg": _num(t["iou_avg"]), "torch_miou_avg": _num(t["miou_avg"])}
     fp = trained.data_fingerprint
     res = {"split": split, "windows": int(len(idx)), "data_root": str(root), "future_steps": S,
            "data_fingerprint_matches_checkpoint": (ds.fingerprint == fp) if fp else None,
@@ -342,8 +367,21 @@ def format_report(d: Mapping) -> str:
     if "parity" in d:
         p = d["parity"]
         lines.append(f"parity on {p['windows']} windows (voxels equal): " +
-                     ", ".join(f"{k} {v:.4f}" for k, v in p.items() if k not in ("windows", "graphs")))
+                     ", ".join(f"{k} {v:.4f}" for k, v in p.items() if k not in ("windows", "graphs", "accuracy")))
         for k, g in p.get("graphs", {}).items():
             lines.append(f"  each graph on the same inputs, {k}: " +
                          ", ".join(f"{n} {f(x, 6, 4)}" for n, x in g.items()))
+        for k, a in p.get("accuracy", {}).items():
+            lines.append(f"  IoU / mIoU on these windows, the file in onnxruntime | its torch row, {k}: "
+                         f"{f(a['file_iou_avg'])} / {f(a['file_miou_avg'])} | {f(a['torch_iou_avg'])} / "
+                         f"{f(a['torch_miou_avg'])}")
+        low = [k.split("_vs_")[0] for k, x in p.items() if k.startswith("onnx_int8") and isinstance(x, float)
+               and x < PARITY_MIN]
+        if low:
+            # the parity ran each file twice per window: as a rollout and graph by graph
+            per = p.get("seconds", 0.0) / max(2 * p["windows"] * len(p.get("graphs", {})), 1)
+            lines.append(f"{', '.join(low)}: the files in onnxruntime agree with these emulated rows on under "
+                         f"{100 * PARITY_MIN:g} % of the rollouts' voxels, so the rows are the emulation's accuracy; "
+                         f"the files' own on every window: python tools/int8_report.py --run <run> --rows "
+                         f"{','.join(low)} (onnxruntime on the CPU, about {per:.0f} s per window and file here)")
     return "\n".join(lines)

@@ -1,0 +1,95 @@
+"""The INT8 report from the files themselves: every row run by onnxruntime on the CPU.
+
+With a GPU, `export.py --int8` computes its INT8 rows by applying each Q/DQ file's quantization to
+the exported programs on the GPU (minutes at the `occworld` size, where onnxruntime on the CPU
+takes hours), and runs the files themselves in onnxruntime on `--parity-windows` windows only. A
+quantized network turns a last-bit difference of a sum into a whole quantizer step, and a forecast
+is an argmax rollout, so the two engines' forecasts can differ on a few percent of the voxels while
+scoring the same. Where that parity falls under 99 %, the report says so and names this tool: it
+runs the same held-out windows through the files (and PyTorch FP32 on the CPU, the reference of
+every drop), prints the table, and sets each row beside the export's own report.json.
+
+    python tools/int8_report.py --run runs/occworld                           # every row, 64 windows
+    python tools/int8_report.py --run runs/occworld --rows onnx_int8_ort --eval-windows 16
+
+Writes <export>/report-onnxruntime.json (--json elsewhere); the export's report.json is left as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from wm.errors import WMError, run_cli  # noqa: E402
+
+
+def beside(own: dict, export_report: dict) -> list[str]:
+    """One line per row both reports have: IoU / mIoU averaged and the drops, here | report.json."""
+    theirs = export_report.get("accuracy", {})
+    lines = [f"beside the export's report.json (engine {theirs.get('engine', '?')}, {theirs.get('windows', '?')} "
+             f"windows), IoU / mIoU averaged and their drops, the files here | report.json:"]
+
+    def f(x):
+        return f"{x:6.2f}" if x is not None else f"{'-':>6}"
+
+    for v, r in own["models"].items():
+        t = theirs.get("models", {}).get(v)
+        if t is None or v == "pytorch_fp32":
+            continue
+        lines.append(f"  {v:<14} {f(r['iou_avg'])} / {f(r['miou_avg'])}, drop {f(r['drop_iou_avg'])} / "
+                     f"{f(r['drop_miou_avg'])} | {f(t['iou_avg'])} / {f(t['miou_avg'])}, drop "
+                     f"{f(t['drop_iou_avg'])} / {f(t['drop_miou_avg'])}")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", required=True, help="a trained run folder")
+    ap.add_argument("--export", help="its export folder (default: <run>/export)")
+    ap.add_argument("--ckpt", help="world-model checkpoint (default: the one the export's report.json names, "
+                                   "else the run's best)")
+    ap.add_argument("--eval-windows", type=int, default=64, help="validation windows (0: all), as export.py")
+    ap.add_argument("--batch", type=int, default=2, help="windows per batch")
+    ap.add_argument("--rows", help="comma-separated rows besides pytorch_fp32 and copy_last (default: every "
+                                   "file kind there is: onnx_fp32, onnx_fp16, onnx_int8, onnx_int8_ort)")
+    ap.add_argument("--json", help="write the report here (default: <export>/report-onnxruntime.json)")
+    a = ap.parse_args(argv)
+    if a.eval_windows < 0 or a.batch < 1:
+        raise WMError("--eval-windows must be >= 0 (0: all) and --batch >= 1")
+    import torch
+
+    from wm.atomic import write_bytes
+    from wm.export.onnx import load_trained
+    from wm.export.report import accuracy_report, format_report
+
+    run_dir = Path(a.run)
+    export = Path(a.export) if a.export else run_dir / "export"
+    prior = {}
+    if (export / "report.json").is_file():
+        try:
+            prior = json.loads((export / "report.json").read_text())
+        except (OSError, ValueError) as e:
+            print(f"note: {export / 'report.json'} is unreadable ({e}); no comparison with it")
+    ckpt = a.ckpt or (prior.get("checkpoint") if Path(prior.get("checkpoint") or "").is_file() else None)
+    torch.set_grad_enabled(False)
+    trained = load_trained(run_dir, ckpt)
+    rows = [r.strip() for r in a.rows.split(",") if r.strip()] if a.rows else None
+    print(f"the files of {export} in onnxruntime on the CPU, checkpoint {trained.ckpt}")
+    rep = accuracy_report(trained, export, a.eval_windows, batch=a.batch, engine="onnxruntime", device="cpu",
+                          rows=rows)
+    full = {"checkpoint": str(trained.ckpt), "data_fingerprint": trained.data_fingerprint, "accuracy": rep}
+    out = Path(a.json) if a.json else export / "report-onnxruntime.json"
+    write_bytes(out, json.dumps(full, indent=1) + "\n")
+    print(format_report(rep))
+    if prior.get("accuracy"):
+        print("\n".join(beside(rep, prior)))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
