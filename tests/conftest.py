@@ -7,9 +7,11 @@
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,6 +33,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(m.kwargs.get("reason") == "needs CUDA" for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.cuda)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def subprocess_tmpdir():
+    """The temporary folders of the processes the tests start (torchrun's torchelastic_* of every
+    agent, multiprocessing's pymp-* of a killed worker: neither removes its own) go into one folder
+    that the session removes, so none outlives the tests."""
+    tempfile.gettempdir()  # this process keeps the system's (pytest's tmp_path lives there)
+    d = tempfile.mkdtemp(prefix="wm-tests-subprocesses-")
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = d
+    yield Path(d)
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
+    shutil.rmtree(d, ignore_errors=True)
 
 
 TINY_SETTINGS = {

@@ -497,6 +497,12 @@ def test_torch_engine_report_holds_each_graphs_parity_with_the_files(run):
     assert "--rows onnx_int8_ort (onnxruntime on the CPU, about 2 s per window and file here)" in said[0]
     d["parity"]["onnx_int8_ort_vs_emulated_int8_ort"] = 0.99
     assert "tools/int8_report.py" not in format_report(d)
+    # a report of some rows holds only their files to them
+    few = accuracy_report(run.trained, run.out, 2, batch=2, engine="torch", device="cpu", programs=run.programs,
+                          parity_windows=1, log=lambda s: None, rows=["onnx_int8_ort"])
+    assert list(few["models"]) == ["pytorch_fp32", "onnx_int8_ort", "copy_last"]
+    assert set(few["parity"]["graphs"]) == set(few["parity"]["accuracy"]) == {"onnx_fp32_vs_pytorch_fp32",
+                                                                              "onnx_int8_ort_vs_emulated_int8_ort"}
 
 
 def _small_model(path: Path):

@@ -191,11 +191,11 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
     agree = {v: [0, 0] for v in variants}
     secs = dict.fromkeys(rows, 0.0)
     parity = {"windows": 0}
-    ort = {v: ort_row(out_dir, v) for v in ("onnx_fp32", "onnx_int8", "onnx_int8_ort")} \
+    # the torch row each onnxruntime row is held against (where the report computes that row)
+    par_src = {"onnx_fp32": "pytorch_fp32", "onnx_int8": "onnx_int8", "onnx_int8_ort": "onnx_int8_ort"}
+    ort = {v: ort_row(out_dir, v) for v, src in par_src.items() if src in rows} \
         if engine == "torch" and parity_windows > 0 else {}
     par = {v: [0, 0] for v in ort}
-    # the torch row each onnxruntime row is held against
-    par_src = {"onnx_fp32": "pytorch_fp32", "onnx_int8": "onnx_int8", "onnx_int8_ort": "onnx_int8_ort"}
     tees = {v: GraphParity(rows[par_src[v]][0], run) for v, run in ort.items()}
     kept = []  # the first parity_windows windows: inputs, the torch rows' forecasts, targets and masks
     prog = Progress("report", len(idx), "windows", log)
@@ -230,7 +230,7 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
         prog.step(len(occ))
     report_s = prog.seconds
     if kept:
-        log(f"parity: onnxruntime runs the FP32 and both INT8 files on the CPU ({os.cpu_count()} CPU threads) on the "
+        log(f"parity: onnxruntime runs the files of {', '.join(ort)} on the CPU ({os.cpu_count()} CPU threads) on the "
             f"first {parity['windows']} windows, as rollouts and graph by graph")
         pp = Progress("parity", len(ort) * parity["windows"], "windows x files", log)
         # a flipped near-tie moves voxels, not the accuracy: both scored on the same windows
@@ -273,8 +273,8 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
     if ort:  # onnxruntime on the files vs the torch rows, voxel by voxel
         names = {"onnx_fp32": "onnx_fp32_vs_pytorch_fp32", "onnx_int8": "onnx_int8_vs_emulated_int8",
                  "onnx_int8_ort": "onnx_int8_ort_vs_emulated_int8_ort"}
-        for v, k in names.items():
-            parity[k] = par[v][0] / max(par[v][1], 1)
+        for v in ort:
+            parity[names[v]] = par[v][0] / max(par[v][1], 1)
         parity["graphs"] = {names[v]: t.agreement() for v, t in tees.items()}
         parity["accuracy"] = {}
         for v, cms in scored.items():
