@@ -903,6 +903,8 @@ def test_int8_report_tool_scores_the_files_themselves(run, trained_tiny, tmp_pat
     assert side[0].startswith("beside the export's report.json (engine onnxruntime, 9 windows)"), side
     assert side[1].split()[0] == "onnx_int8_ort" and side[2].startswith("  copy_last"), side
 
+    p = _tool("int8_report.py", "--run", trained_tiny.run_dir(), "--export", run.out, "--device", "tpu")
+    assert p.returncode == 2 and p.stderr == "error: --device tpu: use auto, cpu, or cuda on a machine with a GPU\n"
     p = _tool("int8_report.py", "--run", trained_tiny.run_dir(), "--export", run.out, "--rows", "onnx_int4")
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
     assert "no row onnx_int4 with engine onnxruntime here; rows are onnx_fp32, onnx_fp16, onnx_int8, onnx_int8_ort" \

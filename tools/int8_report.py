@@ -7,7 +7,8 @@ quantized network turns a last-bit difference of a sum into a whole quantizer st
 is an argmax rollout, so the two engines' forecasts can differ on a few percent of the voxels while
 scoring the same. Where that parity falls under 99 %, the report says so and names this tool: it
 runs the same held-out windows through the files (and PyTorch FP32 on the CPU, the reference of
-every drop), prints the table, and sets each row beside the export's own report.json.
+every drop, on the GPU where there is one, as export.py computes it), prints the table, and sets each
+row beside the export's own report.json.
 
     python tools/int8_report.py --run runs/occworld                           # every row, 64 windows
     python tools/int8_report.py --run runs/occworld --rows onnx_int8_ort --eval-windows 16
@@ -56,11 +57,20 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=2, help="windows per batch")
     ap.add_argument("--rows", help="comma-separated rows besides pytorch_fp32 and copy_last (default: every "
                                    "file kind there is: onnx_fp32, onnx_fp16, onnx_int8, onnx_int8_ort)")
+    ap.add_argument("--device", default="auto", help="where PyTorch FP32, the reference, runs: auto (cuda where "
+                                                    "there is a GPU, as export.py), cpu, cuda")
     ap.add_argument("--json", help="write the report here (default: <export>/report-onnxruntime.json)")
     a = ap.parse_args(argv)
     if a.eval_windows < 0 or a.batch < 1:
         raise WMError("--eval-windows must be >= 0 (0: all) and --batch >= 1")
     import torch
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        raise WMError(f"--device {a.device}: use auto, cpu, or cuda on a machine with a GPU")
+    # FP32 means FP32 on the GPU too, as in export.py: no TF32
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
 
     from wm.atomic import write_bytes
     from wm.export.onnx import load_trained
@@ -78,8 +88,8 @@ def main(argv=None) -> int:
     torch.set_grad_enabled(False)
     trained = load_trained(run_dir, ckpt)
     rows = [r.strip() for r in a.rows.split(",") if r.strip()] if a.rows else None
-    print(f"the files of {export} in onnxruntime on the CPU, checkpoint {trained.ckpt}")
-    rep = accuracy_report(trained, export, a.eval_windows, batch=a.batch, engine="onnxruntime", device="cpu",
+    print(f"the files of {export} in onnxruntime on the CPU, PyTorch FP32 on {device}, checkpoint {trained.ckpt}")
+    rep = accuracy_report(trained, export, a.eval_windows, batch=a.batch, engine="onnxruntime", device=device,
                           rows=rows)
     full = {"checkpoint": str(trained.ckpt), "data_fingerprint": trained.data_fingerprint, "accuracy": rep}
     out = Path(a.json) if a.json else export / "report-onnxruntime.json"
