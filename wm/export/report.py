@@ -233,15 +233,14 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
         log(f"parity: onnxruntime runs the files of {', '.join(ort)} on the CPU ({os.cpu_count()} CPU threads) on the "
             f"first {parity['windows']} windows, as rollouts and graph by graph")
         pp = Progress("parity", len(ort) * parity["windows"], "windows x files", log)
-        # a flipped near-tie moves voxels, not the accuracy: both scored on the same windows
-        scored = {v: (ConfusionMatrix(C, free, S), ConfusionMatrix(C, free, S)) for v in ort}
+        # a flipped near-tie moves voxels, not the accuracy: the files' rollouts are scored too
+        scored = {v: ConfusionMatrix(C, free, S) for v in ort}
         for first, torch_preds, tgt, msk in kept:
             for v, run in ort.items():
                 got = forecast(run, cfg, *first)
                 par[v][0] += int((got == torch_preds[v]).sum())
                 par[v][1] += got.numel()
-                scored[v][0].update(got, tgt, msk)
-                scored[v][1].update(torch_preds[v], tgt, msk)
+                scored[v].update(got, tgt, msk)
                 forecast(tees[v], cfg, *first)  # the torch row's rollout, each call also in onnxruntime
                 pp.step(len(got))
         parity["seconds"] = round(pp.seconds, 2)
@@ -277,8 +276,10 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
             parity[names[v]] = par[v][0] / max(par[v][1], 1)
         parity["graphs"] = {names[v]: t.agreement() for v, t in tees.items()}
         parity["accuracy"] = {}
-        for v, cms in scored.items():
-            (f, t) = (cm.summary() for cm in cms)
+        for v, cm in scored.items():
+            row = ConfusionMatrix(C, free, S)  # the torch row on the same windows: the report's first ones
+            row.counts = per_window[par_src[v]][:parity["windows"]].sum(0)
+            f, t = cm.summary(), row.summary()
             parity["accuracy"][names[v]] = {"file_iou_avg": _num(f["iou_avg"]), "file_miou_avg": _num(f["miou_avg"]),
                                            "torch_iou_avg": _num(t["iou_avg"]), "torch_miou_avg": _num(t["miou_avg"])}
     fp = trained.data_fingerprint
