@@ -426,6 +426,10 @@ def test_torch_engine_report_holds_each_graphs_parity_with_the_files(run):
     acc = accuracy_report(run.trained, run.out, 4, batch=2, engine="torch", device="cpu",
                           programs=run.programs, parity_windows=3, log=lines.append)
     assert acc["models"]["onnx_int8_ort"]["engine"].startswith("torch cpu (Q/DQ of the .int8-ort.onnx files")
+    # the copy holds the TensorRT file's values: one emulated rollout gives both rows
+    assert "one rollout for both" in acc["models"]["onnx_int8_ort"]["engine"]
+    a, b = acc["models"]["onnx_int8"], acc["models"]["onnx_int8_ort"]
+    assert (a["iou"], a["miou"], a["agreement_vs_pytorch"]) == (b["iou"], b["miou"], b["agreement_vs_pytorch"])
     p = acc["parity"]
     assert p["windows"] == 3 and p["seconds"] > 0
     # the parity also scores each file's rollouts and its torch row's on those windows: the first 3
@@ -702,36 +706,56 @@ def test_threshold_workers_equal_the_serial_search_and_a_failure_is_said(monkeyp
 # onnxruntime's INT8 copy: exact on every x86 CPU class (AVX2-only CPUs emulated by qemu)
 
 
-def test_onnxruntime_copy_differs_from_tensorrts_file_only_in_matmul_weights(run):
-    """Same nodes, same activation scales, same convolution weights; every MatMul/Gemm weight is
-    re-quantized per channel from the float weight to [-64, 64] (64 reached in every channel)."""
+def test_onnxruntime_copy_holds_tensorrts_values_as_uint8(run, tmp_path):
+    """Same nodes, same scales; every int8 weight is the TensorRT file's plus 128 and every zero
+    point 128 (uint8): the same dequantized values, which the emulation sees as one plan. And
+    onnxruntime runs the copy's matrix products in its integer kernel."""
+    import onnxruntime as ort
+
+    from wm.export.forecast import QdqPlan
     from wm.export.report import graph_files
 
     for g, p in graph_files(run.out, ".int8").items():
-        trt, cpu, fp = onnx.load(str(p)), onnx.load(str(p.with_name(f"{g}.int8-ort.onnx"))), onnx.load(str(run.out / f"{g}.onnx"))
+        trt, cpu = onnx.load(str(p)), onnx.load(str(p.with_name(f"{g}.int8-ort.onnx")))
         assert [(n.name, n.op_type, list(n.input)) for n in trt.graph.node] == \
             [(n.name, n.op_type, list(n.input)) for n in cpu.graph.node]
         a, b = I.qdq_scales(trt), I.qdq_scales(cpu)
-        assert a["activations"] == b["activations"]
-        ti, ci, fi = inits(trt), inits(cpu), inits(fp)
-        users = {t: n for n in cpu.graph.node for t in n.input}
-        prod = producers(cpu)
-        n_mm = 0
-        for w, info in b["weights"].items():
-            consumer = users[prod[w].output[0] if w in prod else next(n.output[0] for n in cpu.graph.node
-                                                                     if n.op_type == "DequantizeLinear" and n.input[0] == w)]
-            if consumer.op_type in ("Conv", "ConvTranspose"):
-                assert np.array_equal(ti[w], ci[w]) and info["scales"] == a["weights"][w]["scales"]
-                continue
-            n_mm += 1
-            q, s = ci[w].astype(np.int32), np.asarray(info["scales"], np.float32)
-            src = next(n for n in fp.graph.node if n.name == consumer.name).input[1]
-            f = fi[src]
-            assert info["axis"] == 1 and q.shape == f.shape and np.abs(q).max() == 64
-            assert (np.abs(q).max(0) == 64).all() or (np.abs(f).max(0) == 0).any()
-            assert np.abs(q * s - f).max() <= 0.5 * s.max() * (1 + 1e-6)
-            assert np.abs(ti[w].astype(np.int32)).max() == 127  # TensorRT's keeps the full range
-        assert n_mm > 0, g
+        assert a["activations"].keys() == b["activations"].keys() and a["activations"]
+        for t, x in a["activations"].items():
+            y = b["activations"][t]
+            assert (x["dtype"], x["zero_point"], y["dtype"], y["zero_point"]) == ("int8", 0, "uint8", 128)
+            assert x["scale"] == y["scale"] and x["consumers"] == y["consumers"]
+        ti, ci = inits(trt), inits(cpu)
+        assert a["weights"].keys() == b["weights"].keys() and a["weights"]
+        for w, x in a["weights"].items():
+            y = b["weights"][w]
+            assert ti[w].dtype == np.int8 and ci[w].dtype == np.uint8
+            assert np.array_equal(ti[w].astype(np.int16) + 128, ci[w].astype(np.int16)), w
+            assert set(x["zero_points"]) == {0} and set(y["zero_points"]) == {128}
+            assert x["scales"] == y["scales"] and x["axis"] == y["axis"]
+        assert np.abs(np.concatenate([ti[w].reshape(-1) for w in a["weights"]]).astype(np.int16)).max() == 127
+        assert QdqPlan(trt).same_values(QdqPlan(cpu))
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "world_step.opt.onnx")
+    ort.InferenceSession(str(run.out / "world_step.int8-ort.onnx"), so, providers=["CPUExecutionProvider"])
+    ops = {n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node}
+    assert ops & {"MatMulIntegerToFloat", "QLinearMatMul", "MatMulInteger"}, ops
+
+
+def test_onnxruntime_copy_refuses_an_asymmetric_zero_point(tmp_path):
+    """cpu_copy only converts the symmetric int8 grid (what export.py writes); anything else is
+    refused in one line naming the file and the zero point."""
+    _qdq_matmul(tmp_path / "mm.onnx", np.ones((4, 3), np.int8))
+    m = onnx.load(str(tmp_path / "mm.onnx"))
+    for i in m.graph.initializer:
+        if i.name == "z":
+            i.CopyFrom(numpy_helper.from_array(np.array(3, np.int8), "z"))
+    onnx.save(m, str(tmp_path / "asym.onnx"))
+    with pytest.raises(I.Int8Error) as e:
+        I.cpu_copy(tmp_path / "asym.onnx", tmp_path / "asym-ort.onnx")
+    assert "asym.onnx: zero point 'z' is int8 [3], want int8 0" in str(e.value)
+    assert not (tmp_path / "asym-ort.onnx").exists()
+    assert I.cpu_copy(tmp_path / "mm.onnx", tmp_path / "mm-ort.onnx") == 1
 
 
 QEMU = shutil.which("qemu-x86_64")
@@ -783,24 +807,23 @@ def _qdq_matmul(path: Path, w: np.ndarray) -> None:
 
 
 @needs_qemu
-def test_int8_matmul_kernel_is_exact_within_64_on_an_avx2_cpu(tmp_path):
-    """One quantized MatMul against exact integer arithmetic: on an AVX2-only CPU onnxruntime's
-    integer kernel is wrong for weights over the full int8 range (int16 pair sums saturate) and
-    exact within +-64, the range of onnxruntime's INT8 copies; natively exact within +-64 too."""
+def test_int8_matmul_kernel_is_exact_as_uint8_on_an_avx2_cpu(tmp_path):
+    """One quantized MatMul over the full int8 range against exact integer arithmetic: on an
+    AVX2-only CPU onnxruntime's int8 x int8 kernel is wrong (its int16 pair sums saturate); the
+    same values as uint8 with zero point 128 (cpu_copy) are exact there and natively."""
     rng = np.random.default_rng(0)
     x = rng.integers(-128, 128, (64, 512)).astype(np.float32)
     x[0] = 127  # the largest u8 value onnxruntime's kernel sees (x + 128 = 255)
-    for wmax, cpus in ((127, (AVX2_ONLY,)), (64, (None, AVX2_ONLY))):
-        w = rng.integers(-wmax, wmax + 1, (512, 256))
-        w[:, 0] = wmax  # the extreme pair sum: 2 * 255 * wmax
-        _qdq_matmul(tmp_path / f"mm{wmax}.onnx", w)
-        exact = x.astype(np.int64) @ w
-        for cpu in cpus:
-            y = _ort_on_cpu(cpu, tmp_path / f"mm{wmax}.onnx", {"x": x}, tmp=tmp_path)[0]
-            if wmax == 64:
-                assert np.array_equal(y, exact.astype(np.float32)), cpu
-            else:  # the saturating kernel, so this test sees what an AVX2-only CPU computes
-                assert not np.array_equal(y, exact.astype(np.float32))
+    w = rng.integers(-128, 128, (512, 256))
+    w[:, 0] = 127  # the extreme pair sum: 2 * 255 * 127
+    _qdq_matmul(tmp_path / "mm.onnx", w)
+    assert I.cpu_copy(tmp_path / "mm.onnx", tmp_path / "mm-ort.onnx") == 1
+    exact = (x.astype(np.int64) @ w).astype(np.float32)
+    y = _ort_on_cpu(AVX2_ONLY, tmp_path / "mm.onnx", {"x": x}, tmp=tmp_path)[0]
+    assert not np.array_equal(y, exact)  # the saturating kernel: this test sees what an AVX2-only CPU computes
+    for cpu in (None, AVX2_ONLY):
+        y = _ort_on_cpu(cpu, tmp_path / "mm-ort.onnx", {"x": x}, tmp=tmp_path)[0]
+        assert np.array_equal(y, exact), cpu
 
 
 @needs_qemu

@@ -108,8 +108,13 @@ def fx_name(onnx_node) -> Optional[str]:
     return None
 
 
+# the zero point of the symmetric grid [-128, 127] in each integer type
+_SYMMETRIC = {"int8": 0, "uint8": 128}
+
+
 def fake_quant(x: Tensor, scale: float) -> Tensor:
-    """ONNX QuantizeLinear -> DequantizeLinear, int8, zero point 0: round half to even, saturate."""
+    """ONNX QuantizeLinear -> DequantizeLinear, int8 with zero point 0 (or uint8 with 128, the same
+    grid): round half to even, saturate."""
     return torch.clamp(torch.round(x.float() / scale), -128, 127).mul_(scale).to(x.dtype)
 
 
@@ -142,13 +147,18 @@ class QdqPlan:
                     continue
                 q = prod.get(dq.input[0])
                 if q is not None and q.op_type == "QuantizeLinear":  # an activation
+                    z = arr(q.input[2]) if len(q.input) > 2 else None
+                    if z is None or int(np.asarray(z).reshape(-1)[0]) != _SYMMETRIC.get(np.asarray(z).dtype.name):
+                        raise ValueError(f"activation {q.input[0]!r}: zero point {z}, not the symmetric int8 grid "
+                                         "(int8 0 or uint8 128) that fake_quant emulates")
                     acts[q.input[0]] = float(np.float32(arr(q.input[1])).reshape(-1)[0])
-                elif dq.input[0] in inits and k == 1:  # an int8 weight, per channel
+                elif dq.input[0] in inits and k == 1:  # an int8 (or uint8, zero point 128) weight, per channel
                     w, s = arr(dq.input[0]).astype(np.float32), np.asarray(arr(dq.input[1]), np.float32)
+                    z = np.asarray(arr(dq.input[2]), np.float32) if len(dq.input) > 2 else np.zeros(1, np.float32)
                     axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
                     shape = [1] * w.ndim
                     shape[axis] = -1
-                    weight = w * (s.reshape(shape) if s.size > 1 else s)
+                    weight = (w - (z.reshape(shape) if z.size > 1 else z)) * (s.reshape(shape) if s.size > 1 else s)
             if not acts and weight is None:
                 continue
             fx = fx_name(n)
@@ -158,6 +168,12 @@ class QdqPlan:
             self.acts[fx] = acts
             if weight is not None:
                 self.weights[fx] = weight
+
+    def same_values(self, other: "QdqPlan") -> bool:
+        """Whether both plans quantize the same nodes with the same scales and dequantized weights
+        (then their emulations compute the same, bit for bit)."""
+        return (self.acts == other.acts and self.weights.keys() == other.weights.keys()
+                and all(np.array_equal(w, other.weights[k]) for k, w in self.weights.items()))
 
 
 class _Interpreter(torch.fx.Interpreter):

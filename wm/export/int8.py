@@ -17,8 +17,9 @@ TensorRT's EntropyCalibrator2) and handed to TensorRT in the graph itself:
 3. ``wm.export.qdq.quantize_qdq``: the Q/DQ ONNX (onnxruntime's quantizer with our scales as
    overrides), checked scale by scale.
 4. :func:`int8_export` writes ``<name>.int8.onnx`` (TensorRT's: int8 weights per channel over the
-   full range), ``<name>.int8-ort.onnx`` (onnxruntime's copy, ``wm.export.qdq.cpu_copy``: MatMul
-   weights within +-64, where onnxruntime's CPU integer kernels are exact on every x86 CPU),
+   full range), ``<name>.int8-ort.onnx`` (onnxruntime's copy, ``wm.export.qdq.cpu_copy``: the same
+   values as uint8 with zero point 128, which onnxruntime's CPU integer kernels compute exactly on
+   every x86 CPU),
    ``<name>.calib.cache`` (TensorRT's text format, same scales, ONNX tensor names) and
    ``<name>.calib.json`` (per-tensor amax/max/scale/rule).
 5. ``wm.export.report``: IoU/mIoU per future step on held-out windows (the run's VAL split) end to
@@ -43,7 +44,7 @@ import numpy as np
 from wm.atomic import write_bytes
 from wm.export.calib import threshold_job, trt_version_number, write_cache
 from wm.export.collect import TappedOrt, collect, windows
-from wm.export.qdq import (FLOAT_OP_TYPES, HEAD_SCOPES, ORT_WEIGHT_MAX, QUANT_OP_TYPES, Int8Error, _load,  # noqa: F401
+from wm.export.qdq import (FLOAT_OP_TYPES, HEAD_SCOPES, QUANT_OP_TYPES, Int8Error, _load,  # noqa: F401
                            _scope, cpu_copy, exact_range_tensors, output_heads, qdq_scales, quantizable_inputs,
                            quantize_qdq)
 from wm.export.report import CPU_INT8, GRAPHS as GRAPH_NAMES, accuracy_report, format_report, graph_files  # noqa: F401
@@ -239,7 +240,7 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
         t3 = time.perf_counter()
         mark("int8_thresholds")
         info = quantize_qdq(out_dir / f"{g}.onnx", out_dir / f"{g}.int8.onnx", thresholds, nodes_to_exclude=kept[g])
-        reduced = cpu_copy(out_dir / f"{g}.int8.onnx", model, out_dir / f"{g}{CPU_INT8}.onnx")
+        converted = cpu_copy(out_dir / f"{g}.int8.onnx", out_dir / f"{g}{CPU_INT8}.onnx")
         scales = info["scales"]
         cache = out_dir / f"{g}.calib.cache"
         write_cache(cache, {t: scales[t] for t in tens if t in scales}, version)
@@ -255,8 +256,8 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
         clipped = [thresholds[t] / col.amax(t) for t in scales if col.amax(t) > 0]
         res["graphs"][g] = {
             "file": f"{g}.int8.onnx", "bytes": (out_dir / f"{g}.int8.onnx").stat().st_size,
-            "onnxruntime_file": f"{g}{CPU_INT8}.onnx", "onnxruntime_weights_within": ORT_WEIGHT_MAX,
-            "onnxruntime_weights_reduced": reduced,
+            "onnxruntime_file": f"{g}{CPU_INT8}.onnx", "onnxruntime_zero_point": 128,
+            "onnxruntime_weights_uint8": converted,
             "cache": cache.name, "thresholds_file": f"{g}.calib.json",
             "tensors_collected": len(col.names()), "tensors_quantized": len(scales),
             "exact_range_at_max": {t: exact[t] for t in scales if t in exact},
@@ -268,7 +269,7 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
             "seconds": {"thresholds": round(t3 - t2, 2), "qdq": round(t4 - t3, 2)},
         }
         log(f"{g + '.int8':<22}{len(scales):4d} activations, {info['weights']:3d} weights int8, "
-            f"{len(info['float_nodes'])} heads/nodes float ({reduced} within +-{ORT_WEIGHT_MAX} in {g}{CPU_INT8}.onnx)   "
+            f"{len(info['float_nodes'])} heads/nodes float (as uint8 in {g}{CPU_INT8}.onnx)   "
             f"cache {cache.name}   "
             f"thresholds {t3 - t2:5.1f} s, Q/DQ {t4 - t3:5.1f} s")
     res["seconds"].update({"thresholds": round(t_thr, 2), "qdq": round(t_qdq, 2),

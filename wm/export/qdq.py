@@ -58,9 +58,6 @@ _DECISION_OPS = ("ArgMax", "ArgMin", "TopK")
 # Heads by module path (the exporter's name scopes): what no reachability rule sees, e.g. the
 # world model's motion head, which feeds the next rollout step's pose MLP.
 HEAD_SCOPES = r"(^|\.)(out_conv|motion_head|dec_out|enc_out)(\.|$)"
-# |int8| of the MatMul/Gemm weights in the onnxruntime copy (cpu_copy): onnxruntime's u8 x s8 CPU
-# kernel without VNNI sums product pairs in int16, exact only while 2 * 255 * |w| <= 32767
-ORT_WEIGHT_MAX = 64
 _FLOAT_TYPES = (1, 10, 11, 16)  # onnx.TensorProto FLOAT, FLOAT16, DOUBLE, BFLOAT16
 # Ops that only move values: a tensor seen through them after a table lookup is still the table's rows.
 _VIEW_OPS = ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity")
@@ -452,54 +449,48 @@ def quantize_qdq(onnx_path, out_path, thresholds: Mapping[str, float],
             "scales": {t: float(s) for t, s in scales.items()}, "weights": n_weights, "rewired": rewired}
 
 
-def cpu_copy(qdq_path, original, out_path) -> int:
-    """Write the onnxruntime copy of a Q/DQ graph to `out_path`: the same graph and activation scales,
-    with every int8 weight of a MatMul/Gemm re-quantized per channel from its float values (in
-    `original`, the FP32 graph) to [-ORT_WEIGHT_MAX, ORT_WEIGHT_MAX]. onnxruntime fuses
-    DequantizeLinear -> MatMul into its integer kernel, whose u8 x s8 form on x86 CPUs without VNNI
-    (AVX2, AVX-512 without VNNI) adds pairs of products in int16 and saturates for weights beyond
-    that range; within it the kernel is exact on every x86 CPU. Convolutions stay as they are: their
-    Q/DQ is not fused (they run in float on dequantized values). Returns the weights re-quantized."""
-    from onnx import numpy_helper
+def cpu_copy(qdq_path, out_path) -> int:
+    """Write the onnxruntime copy of a Q/DQ graph to `out_path`: the same graph, scales and values,
+    with every int8 tensor held as uint8 with zero point 128 (u = q + 128: the same grid, so the same
+    ONNX semantics, bit for bit after dequantization). onnxruntime fuses DequantizeLinear -> MatMul
+    into its integer kernels; its u8 x s8 form (what int8 x int8 runs as) on x86 CPUs without VNNI
+    adds pairs of products in int16 and saturates, its u8 x u8 form widens before it multiplies and
+    is exact on every x86 CPU. Returns the number of weights converted."""
+    from onnx import TensorProto, numpy_helper
 
     q = _load(qdq_path)
-    orig = _load(original)
-    float_w = {i.name: i for i in orig.graph.initializer}
-    orig_nodes = {n.name: n for n in orig.graph.node}
-    inits = {i.name: i for i in q.graph.initializer}
-    prod = {o: n for n in q.graph.node for o in n.output}
-    users: dict[str, list] = {}
-    for n in q.graph.node:
-        for t in n.input:
-            users.setdefault(t, []).append(n)
-    done = 0
-    for n in q.graph.node:
-        if n.op_type not in ("MatMul", "Gemm") or len(n.input) < 2:
+    g = q.graph
+    inits = {i.name: i for i in g.initializer}
+    name = Path(qdq_path).name
+    zps, weights = set(), set()
+    for n in g.node:
+        if n.op_type not in ("QuantizeLinear", "DequantizeLinear"):
             continue
-        dq = prod.get(n.input[1])
-        if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits:
-            continue  # a float or an activation input (activation x activation runs exact)
-        if any(u.op_type not in ("MatMul", "Gemm") for u in users[dq.output[0]]):
-            raise Int8Error(f"{Path(qdq_path).name}: weight {dq.input[0]!r} is shared with another op type")
-        src = orig_nodes.get(n.name)
-        w = numpy_helper.to_array(float_w[src.input[1]]) if src is not None and src.input[1] in float_w else None
-        if w is None:
-            raise Int8Error(f"{Path(qdq_path).name}: no float weight for {n.name!r} in the FP32 graph")
-        axis = next((a.i for a in dq.attribute if a.name == "axis"), 1) % w.ndim
-        amax = np.abs(w.astype(np.float32)).max(axis=tuple(i for i in range(w.ndim) if i != axis))
-        scale = np.where(amax > 0, amax / ORT_WEIGHT_MAX, 1.0).astype(np.float32)
-        shape = [1] * w.ndim
-        shape[axis] = -1
-        qw = np.clip(np.rint(w / scale.reshape(shape)), -ORT_WEIGHT_MAX, ORT_WEIGHT_MAX).astype(np.int8)
-        old_scale = numpy_helper.to_array(inits[dq.input[1]])
-        inits[dq.input[0]].CopyFrom(numpy_helper.from_array(qw, dq.input[0]))
-        inits[dq.input[1]].CopyFrom(numpy_helper.from_array(scale.reshape(old_scale.shape), dq.input[1]))
-        done += 1
+        if len(n.input) < 3 or n.input[2] not in inits:
+            raise Int8Error(f"{name}: {n.op_type} {n.name!r} has no zero point initializer; "
+                            "not a Q/DQ graph of export.py --int8")
+        zps.add(n.input[2])
+        if n.op_type == "DequantizeLinear" and n.input[0] in inits:
+            weights.add(n.input[0])
+    for t in sorted(zps):
+        z = numpy_helper.to_array(inits[t])
+        if z.dtype != np.int8 or z.any():
+            raise Int8Error(f"{name}: zero point {t!r} is {z.dtype} {z.reshape(-1)[:3].tolist()}, want int8 0 "
+                            "(symmetric); not a Q/DQ graph of export.py --int8")
+        inits[t].CopyFrom(numpy_helper.from_array(np.full(z.shape, 128, np.uint8), t))
+    for t in sorted(weights):
+        w = numpy_helper.to_array(inits[t])
+        if w.dtype != np.int8:
+            raise Int8Error(f"{name}: weight {t!r} is {w.dtype}, want int8")
+        inits[t].CopyFrom(numpy_helper.from_array((w.astype(np.int16) + 128).astype(np.uint8), t))
+    for v in g.value_info:  # the quantized activations' declared type follows
+        if v.type.tensor_type.elem_type == TensorProto.INT8:
+            v.type.tensor_type.elem_type = TensorProto.UINT8
     try:
         save_checked(q, Path(out_path))
     except OSError as e:
         raise Int8Error(f"cannot write {out_path}: {e}") from None
-    return done
+    return len(weights)
 
 
 def _ort_qdq(onnx_path: Path, scales: Mapping[str, np.float32], nodes: Sequence[str], float_nodes: Sequence[str],

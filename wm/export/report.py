@@ -6,15 +6,17 @@ Rows (IoU / mIoU in percent per future step, averaged; drops against PyTorch FP3
 - ``pytorch_fp32``: the PyTorch modules (on the GPU where the torch engine runs);
 - ``onnx_fp32`` / ``onnx_fp16``: the ONNX graphs; ``onnx_int8``: TensorRT's Q/DQ files
   (``.int8.onnx``) as their ONNX semantics define them (float ops on dequantized values, what
-  TensorRT computes); ``onnx_int8_ort``: onnxruntime's copies (``.int8-ort.onnx``) in onnxruntime's
-  integer kernels, exact on every x86 CPU (wm.export.qdq.cpu_copy). Engine ``onnxruntime``: the
-  files themselves in onnxruntime on the CPU (``onnx_int8`` with its Q/DQ fusion off, so that no
-  CPU's integer kernel stands in for TensorRT's). Engine ``torch`` (the default where a GPU is
-  present, so that the report at the `occworld` size takes minutes): each INT8 row is its Q/DQ
-  file's quantization applied to the exported program on the GPU (its scales bit for bit, its int8
-  weights; wm.export.forecast.QdqPlan), FP16 the modules under float16 autocast, and ``parity`` runs
-  onnxruntime on the first `parity_windows` windows and gives its voxel agreement with the torch
-  rows (FP32 and both INT8 files), after the report's windows, as a phase of its own;
+  TensorRT computes); ``onnx_int8_ort``: onnxruntime's copies (``.int8-ort.onnx``: the same values
+  as uint8 with zero point 128, wm.export.qdq.cpu_copy) in onnxruntime's integer kernels, exact on
+  every x86 CPU. Engine ``onnxruntime``: the files themselves in onnxruntime on the CPU
+  (``onnx_int8`` with its Q/DQ fusion off, so that no CPU's integer kernel stands in for
+  TensorRT's). Engine ``torch`` (the default where a GPU is present, so that the report at the
+  `occworld` size takes minutes): each INT8 row is its Q/DQ file's quantization applied to the
+  exported program on the GPU (its scales bit for bit, its dequantized weights;
+  wm.export.forecast.QdqPlan; both files hold the same values, so one rollout serves both rows),
+  FP16 the modules under float16 autocast, and ``parity`` runs onnxruntime on the first
+  `parity_windows` windows and gives its voxel agreement with the torch rows (FP32 and both INT8
+  files), after the report's windows, as a phase of its own;
 - ``int8_tokenizer`` / ``int8_world`` (engine torch only, where they cost seconds): ``onnx_int8`` for
   the tokenizer's two graphs alone or the world step alone, the other graphs FP32: which part an
   INT8 drop comes from, so that part can be kept float (``export.py --int8-float``) or in FP16;
@@ -136,14 +138,20 @@ def _engines(trained, out_dir: Path, engine: str, device, programs) -> dict[str,
         return rows
     if all(p.is_file() for p in files["onnx_fp16"].values()):
         rows["onnx_fp16"] = (TorchGraphs(graphs(trained), dev, fp16=True), f"torch {dev.type} float16 autocast")
+    plans = {}
     for v in ("onnx_int8", "onnx_int8_ort"):
-        plans = {g: QdqPlan(_load(p)) for g, p in files[v].items()}
-        unmapped = {g: p.unmapped for g, p in plans.items() if p.unmapped}
+        plans[v] = {g: QdqPlan(_load(p)) for g, p in files[v].items()}
+        unmapped = {g: p.unmapped for g, p in plans[v].items() if p.unmapped}
         if unmapped:
             g, names = next(iter(unmapped.items()))
             raise Int8Error(f"{files[v][g].name}: quantized nodes {names[:3]} have no exported-program node to "
                             "emulate them on; use --engine onnxruntime")
-        rows[v] = (ProgramGraphs(programs, dev, plans=plans),
+        if v == "onnx_int8_ort" and all(p.same_values(plans["onnx_int8"][g]) for g, p in plans[v].items()):
+            # the copy holds the same values (uint8, zero point 128): one emulation serves both rows
+            rows[v] = (rows["onnx_int8"][0], f"torch {dev.type} (Q/DQ of the {CPU_INT8}.onnx files emulated: "
+                                             "the same values as the .int8.onnx files, one rollout for both)")
+            continue
+        rows[v] = (ProgramGraphs(programs, dev, plans=plans[v]),
                    f"torch {dev.type} (Q/DQ of the {ROW_FILES[v][0]}.onnx files emulated)")
     for v, these in INT8_PARTS.items():
         rows[v] = (Mixed(rows["onnx_int8"][0], rows["pytorch_fp32"][0], these),
@@ -204,11 +212,13 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
         target = occ[:, P:]
         mask = b["mask"][:, P:] if "mask" in b else None
         args = (occ[:, :P], motion[:, :P], motion[:, P:] if given else None)
-        preds = {}
+        preds, done = {}, {}  # done: rows that share one engine (the same values) share its rollout
         for v, (run, _) in rows.items():
-            t0 = time.perf_counter()
-            preds[v] = forecast(run, cfg, *args).cpu()
-            secs[v] += time.perf_counter() - t0
+            if id(run) not in done:
+                t0 = time.perf_counter()
+                done[id(run)] = (forecast(run, cfg, *args).cpu(), time.perf_counter() - t0)
+            preds[v] = done[id(run)][0]
+            secs[v] += done[id(run)][1]
         preds["copy_last"] = copy_last(occ[:, :P], S)
         ref = preds["pytorch_fp32"]
         for v in variants:
