@@ -639,11 +639,11 @@ def test_deploy_builds_runs_compares_by_name_and_times(trt, runnable_onnx):
 def test_export_cli_without_tensorrt_prints_the_trtexec_line_of_each_graph(tiny_export):
     """The tiny run: 16x16x4 grids, 4x4 codes, data.past 2, world.max_frames 16; export.py's
     --max-batch 64 and opt batch 1. world_step's frames axis takes 2 / past / max_frames. The
-    encoder, left float by --int8-float's default, builds from its FP16 file."""
+    tokenizer's graphs, left float by --int8-float's default, build from their FP16 files."""
     if importlib.util.find_spec("tensorrt") is not None:
         pytest.skip("TensorRT is installed here")
     out = tiny_export.out
-    kind = {"tokenizer_encode": "fp16", "world_step": "int8", "tokenizer_decode": "int8"}
+    kind = {"tokenizer_encode": "fp16", "world_step": "int8", "tokenizer_decode": "fp16"}
     want = {g: f"trtexec --onnx={out}/{g}.{kind[g]}.onnx --saveEngine={out}/{g}.{kind[g]}.engine --stronglyTyped {shapes}"
             for g, shapes in (
                 ("tokenizer_encode", "--minShapes=occ:1x16x16x4 --optShapes=occ:1x16x16x4 "

@@ -14,8 +14,9 @@ three ways on the inputs of real rollouts and reports, per graph, how many outpu
     python tools/int8_cpus.py --run runs/demo --cpu Skylake-Client --windows 16 --json cpus.json
     python tools/int8_cpus.py --run runs/occworld --windows 1 --batch 1 --calls-per-graph 1   # a large model
 
-Both INT8 files are run: `.int8-ort.onnx` (onnxruntime's copy: weights of matrix products within
-+-64, exact on every x86 CPU) and `.int8.onnx` (TensorRT's: the full int8 range). The rollouts run
+Both INT8 files are run: `.int8-ort.onnx` (onnxruntime's copy: the same values as uint8 with zero
+point 128, exact on every x86 CPU) and `.int8.onnx` (TensorRT's: int8, which onnxruntime's kernels
+without VNNI saturate). The rollouts run
 natively through the export's host loop (onnxruntime's kernels, `.int8-ort.onnx`), every graph call's
 inputs are saved, and each way runs them all again in one process that imports only numpy and
 onnxruntime. Codes compare as they are, the decoder's class logits by their argmax over the classes,

@@ -153,7 +153,10 @@ def _engines(trained, out_dir: Path, engine: str, device, programs) -> dict[str,
             continue
         rows[v] = (ProgramGraphs(programs, dev, plans=plans[v]),
                    f"torch {dev.type} (Q/DQ of the {ROW_FILES[v][0]}.onnx files emulated)")
+    quantized = {g for g, p in plans["onnx_int8"].items() if p.acts}
     for v, these in INT8_PARTS.items():
+        if not quantized & set(these) or not quantized - set(these):
+            continue  # every quantized node in one part: the row would repeat pytorch_fp32 or onnx_int8
         rows[v] = (Mixed(rows["onnx_int8"][0], rows["pytorch_fp32"][0], these),
                    f"torch {dev.type} ({', '.join(these)} as onnx_int8, the rest as pytorch_fp32)")
     return rows
@@ -378,7 +381,7 @@ def format_report(d: Mapping) -> str:
     if "parity" in d:
         p = d["parity"]
         lines.append(f"parity on {p['windows']} windows (voxels equal): " +
-                     ", ".join(f"{k} {v:.4f}" for k, v in p.items() if k not in ("windows", "graphs", "accuracy")))
+                     ", ".join(f"{k} {v:.4f}" for k, v in p.items() if k not in ("windows", "seconds", "graphs", "accuracy")))
         for k, g in p.get("graphs", {}).items():
             lines.append(f"  each graph on the same inputs, {k}: " +
                          ", ".join(f"{n} {f(x, 6, 4)}" for n, x in g.items()))
