@@ -752,9 +752,9 @@ def test_onnxruntime_copy_holds_tensorrts_values_as_uint8(run, tmp_path):
     assert ops & {"MatMulIntegerToFloat", "QLinearMatMul", "MatMulInteger"}, ops
 
 
-def test_onnxruntime_copy_refuses_an_asymmetric_zero_point(tmp_path):
-    """cpu_copy only converts the symmetric int8 grid (what export.py writes); anything else is
-    refused in one line naming the file and the zero point."""
+def test_onnxruntime_copy_refuses_an_asymmetric_or_shared_int8_tensor(tmp_path):
+    """cpu_copy only converts the symmetric int8 grid (what export.py writes), read only through
+    Q/DQ; anything else is refused in one line naming the file and the tensor."""
     _qdq_matmul(tmp_path / "mm.onnx", np.ones((4, 3), np.int8))
     m = onnx.load(str(tmp_path / "mm.onnx"))
     for i in m.graph.initializer:
@@ -765,6 +765,12 @@ def test_onnxruntime_copy_refuses_an_asymmetric_zero_point(tmp_path):
         I.cpu_copy(tmp_path / "asym.onnx", tmp_path / "asym-ort.onnx")
     assert "asym.onnx: zero point 'z' is int8 [3], want int8 0" in str(e.value)
     assert not (tmp_path / "asym-ort.onnx").exists()
+    m = onnx.load(str(tmp_path / "mm.onnx"))  # an op that reads the int8 weight itself
+    m.graph.node.append(helper.make_node("Cast", ["wq"], ["wf"], name="reads_wq", to=TensorProto.FLOAT))
+    m.graph.output.append(helper.make_tensor_value_info("wf", TensorProto.FLOAT, [4, 3]))
+    onnx.save(m, str(tmp_path / "shared.onnx"))
+    with pytest.raises(I.Int8Error, match=r"shared.onnx: Cast 'reads_wq' reads the quantized tensor 'wq' directly"):
+        I.cpu_copy(tmp_path / "shared.onnx", tmp_path / "shared-ort.onnx")
     assert I.cpu_copy(tmp_path / "mm.onnx", tmp_path / "mm-ort.onnx") == 1
 
 

@@ -472,6 +472,12 @@ def cpu_copy(qdq_path, out_path) -> int:
         zps.add(n.input[2])
         if n.op_type == "DequantizeLinear" and n.input[0] in inits:
             weights.add(n.input[0])
+    for n in g.node:  # a tensor read as int8 by another op would change meaning
+        if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            continue
+        shared = [t for t in n.input if t in zps or t in weights]
+        if shared:
+            raise Int8Error(f"{name}: {n.op_type} {n.name!r} reads the quantized tensor {shared[0]!r} directly")
     for t in sorted(zps):
         z = numpy_helper.to_array(inits[t])
         if z.dtype != np.int8 or z.any():
