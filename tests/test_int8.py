@@ -417,6 +417,17 @@ def test_int8_float_keeps_the_matching_nodes_float_and_refuses_a_bad_pattern(run
     acc = accuracy_report(run.trained, tmp_path, 2, batch=2, engine="torch", device="cpu", programs=run.programs,
                           parity_windows=0, log=lambda s: None)
     assert list(acc["models"]) == ["pytorch_fp32", "onnx_int8", "onnx_int8_ort", "copy_last"]
+    # an activation zero point off the symmetric grid (not export.py's file) is one line, not a wrong emulation
+    q = onnx.load(str(tmp_path / "world_step.int8.onnx"))
+    zp = next(n.input[2] for n in q.graph.node if n.op_type == "QuantizeLinear")
+    for i in q.graph.initializer:
+        if i.name == zp:
+            i.CopyFrom(numpy_helper.from_array(np.array(3, np.int8), zp))
+    onnx.save(q, str(tmp_path / "world_step.int8.onnx"))
+    with pytest.raises(I.Int8Error, match=r"^\.int8\.onnx files in .*: activation '.*': zero point 3, not the "
+                                          r"symmetric int8 grid"):
+        accuracy_report(run.trained, tmp_path, 2, batch=2, engine="torch", device="cpu", programs=run.programs,
+                        parity_windows=0, log=lambda s: None)
 
 
 def test_torch_engine_report_holds_each_graphs_parity_with_the_files(run):

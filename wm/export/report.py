@@ -17,9 +17,10 @@ Rows (IoU / mIoU in percent per future step, averaged; drops against PyTorch FP3
   FP16 the modules under float16 autocast, and ``parity`` runs onnxruntime on the first
   `parity_windows` windows and gives its voxel agreement with the torch rows (FP32 and both INT8
   files), after the report's windows, as a phase of its own;
-- ``int8_tokenizer`` / ``int8_world`` (engine torch only, where they cost seconds): ``onnx_int8`` for
-  the tokenizer's two graphs alone or the world step alone, the other graphs FP32: which part an
-  INT8 drop comes from, so that part can be kept float (``export.py --int8-float``) or in FP16;
+- ``int8_tokenizer`` / ``int8_world`` (engine torch only, where they cost seconds, and only where
+  both parts hold quantized nodes): ``onnx_int8`` for the tokenizer's two graphs alone or the world
+  step alone, the other graphs FP32: which part an INT8 drop comes from, so that part can be kept
+  float (``export.py --int8-float``) or in FP16;
 - ``copy_last``: the last past frame repeated, the floor beside every number.
 
 Each row also has its voxel agreement with PyTorch FP32 and its time per window in its engine, and
@@ -140,7 +141,10 @@ def _engines(trained, out_dir: Path, engine: str, device, programs) -> dict[str,
         rows["onnx_fp16"] = (TorchGraphs(graphs(trained), dev, fp16=True), f"torch {dev.type} float16 autocast")
     plans = {}
     for v in ("onnx_int8", "onnx_int8_ort"):
-        plans[v] = {g: QdqPlan(_load(p)) for g, p in files[v].items()}
+        try:
+            plans[v] = {g: QdqPlan(_load(p)) for g, p in files[v].items()}
+        except ValueError as e:  # a Q/DQ file that export.py did not write
+            raise Int8Error(f"{ROW_FILES[v][0]}.onnx files in {out_dir}: {e}") from None
         unmapped = {g: p.unmapped for g, p in plans[v].items() if p.unmapped}
         if unmapped:
             g, names = next(iter(unmapped.items()))
