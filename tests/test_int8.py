@@ -909,19 +909,24 @@ def test_int8_cpus_tool_compares_the_files_on_two_cpu_classes(run, trained_tiny,
 
 @needs_qemu
 def test_int8_cpus_tool_runs_again_only_the_first_calls_of_each_graph(run, trained_tiny, tmp_path):
-    """--calls-per-graph: the rollout is whole, the three ways run the first N calls of each graph."""
+    """--calls-per-graph and --graphs: the rollout is whole, the three ways run the first N calls of
+    each graph asked for."""
     out = tmp_path / "cpus.json"
     p = _int8_cpus("--run", trained_tiny.run_dir(), "--export", run.out, "--windows", 2, "--batch", 1,
-                   "--calls-per-graph", 1, "--json", out)
+                   "--calls-per-graph", 1, "--graphs", "world_step,tokenizer_decode", "--json", out)
     assert p.returncode == 0, p.stderr[-3000:]
     d = json.loads(out.read_text())
-    assert d["windows"] == 2 and d["calls"] == 3 and d["calls_per_graph"] == 1
-    one_each = dict.fromkeys(("tokenizer_encode", "world_step", "tokenizer_decode"), 1)
+    assert d["windows"] == 2 and d["calls"] == 2 and d["calls_per_graph"] == 1
+    assert d["graphs"] == ["world_step", "tokenizer_decode"]
+    one_each = dict.fromkeys(("world_step", "tokenizer_decode"), 1)
     for kind in (".int8-ort", ".int8"):
         got = d["rows"][kind]["native_vs_emulated"]
         assert {g: r["calls"] for g, r in got.items()} == one_each, kind
     p = _int8_cpus("--run", trained_tiny.run_dir(), "--export", run.out, "--calls-per-graph", -1)
     assert p.returncode == 2 and "--calls-per-graph must be >= 0" in p.stderr and p.stderr.count("\n") == 1
+    p = _int8_cpus("--run", trained_tiny.run_dir(), "--export", run.out, "--graphs", "world")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1
+    assert "--graphs 'world': name some of tokenizer_encode, world_step, tokenizer_decode" in p.stderr
 
 
 def test_int8_cpus_tool_refuses_an_export_without_int8_files(trained_tiny, tmp_path):

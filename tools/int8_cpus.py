@@ -13,6 +13,7 @@ three ways on the inputs of real rollouts and reports, per graph, how many outpu
     python tools/int8_cpus.py --run runs/demo                          # its export/, 8 validation windows
     python tools/int8_cpus.py --run runs/demo --cpu Skylake-Client --windows 16 --json cpus.json
     python tools/int8_cpus.py --run runs/occworld --windows 1 --batch 1 --calls-per-graph 1   # a large model
+    python tools/int8_cpus.py --run runs/occworld --windows 1 --graphs world_step              # its INT8 graph only
 
 Both INT8 files are run: `.int8-ort.onnx` (onnxruntime's copy: the same values as uint8 with zero
 point 128, exact on every x86 CPU) and `.int8.onnx` (TensorRT's: int8, which onnxruntime's kernels
@@ -165,9 +166,16 @@ def main(argv=None) -> int:
     ap.add_argument("--calls-per-graph", type=int, default=0,
                     help="run again only the first N calls of each graph (0: all): under qemu an occworld-size "
                          "call took 3 to 10 minutes on 2 cores")
+    ap.add_argument("--graphs", default="tokenizer_encode,world_step,tokenizer_decode",
+                    help="run again only these graphs' calls (comma-separated): export.py keeps the tokenizer "
+                         "float by default, and under qemu its calls take most of the time")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
-    from wm.export.report import graph_files
+    from wm.export.report import GRAPHS, graph_files
+
+    graphs = [g for g in a.graphs.split(",") if g]
+    if not graphs or set(graphs) - set(GRAPHS):
+        raise WMError(f"--graphs {a.graphs!r}: name some of {', '.join(GRAPHS)}")
 
     if a.windows < 0 or a.batch < 1 or a.calls_per_graph < 0:
         raise WMError("--windows and --calls-per-graph must be >= 0 (0: all) and --batch >= 1")
@@ -186,6 +194,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="wm-int8-cpus-") as tmp:
         tmp = Path(tmp)
         calls, n = record_calls(run_dir, export, a.windows, a.batch, tmp, say)
+        calls = [c for c in calls if c[0] in graphs]
         if a.calls_per_graph:
             calls = first_calls(calls, a.calls_per_graph)
         say(f"{n} windows rolled out: {len(calls)} graph calls, each run natively ({name}), "
@@ -203,7 +212,7 @@ def main(argv=None) -> int:
                           "native_vs_onnx": compare(calls, d / "native", d / "onnx"),
                           "emulated_vs_onnx": compare(calls, d / "emulated", d / "onnx")}
     rep = {"run": str(run_dir), "export": str(export), "windows": n, "calls": len(calls),
-           "calls_per_graph": a.calls_per_graph or None,
+           "calls_per_graph": a.calls_per_graph or None, "graphs": graphs,
            "cpu": {"native": name, "native_flags": flags, "emulated": f"qemu -cpu {a.cpu}"},
            "onnxruntime": __import__("onnxruntime").__version__, "rows": rows}
     print(table(rep))
