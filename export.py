@@ -87,9 +87,8 @@ def export(argv, progress: dict) -> int:
     ap.add_argument("--calib-method", choices=("entropy", "percentile", "max"), default="entropy",
                     help="INT8 thresholds: entropy (TensorRT's EntropyCalibrator2), percentile (99.99 %% of "
                          "the values) or max (nothing clipped)")
-    # INT8 where the forecast's time is: the world step runs once per future frame (four fifths of a
-    # forecast); quantized, the encoder moves the past codes to near-tied neighbours and the decoder
-    # costs a steady 0.2-0.9 mIoU at the real size, so the tokenizer stays float (FP16 in TensorRT)
+    # INT8 where the forecast's time is (the world step, once per future frame); the tokenizer's INT8
+    # costs more accuracy than its one pass saves time (docs/EXPORT.md), so it stays float
     ap.add_argument("--int8-float", metavar="REGEX", default=r"tok\.",
                     help="keep float the convolutions and matrix products whose module path matches this "
                          "regular expression (default: the tokenizer's encoder and decoder, %(default)s; '' "
