@@ -14,8 +14,9 @@ occupancy, of PyTorch FP32, FP16, INT8 and copy-last on held-out windows); and e
 was compared (onnxruntime against PyTorch at batch 1 and 2), the seconds of every phase and the
 peak host (and GPU) memory.
 
-Calibration and the report run on the GPU where there is one (the exported programs in PyTorch;
-onnxruntime checks parity on a few windows), else in onnxruntime on the CPU (--engine picks).
+Calibration runs on the GPU where there is one (the exported programs in PyTorch), else in
+onnxruntime on the CPU (--engine picks). The report's INT8 rows are always the INT8 files' own:
+onnxruntime runs every graph that holds quantized nodes (on the CPU), and PyTorch the float ones.
 
 TensorRT: where `import tensorrt` works and a GPU is present, each graph (the INT8 Q/DQ one with
 --int8, else FP16 with --fp16, else FP32) is built into `<graph>.engine` as a strongly typed
@@ -78,8 +79,9 @@ def export(argv, progress: dict) -> int:
                     help="validation windows of the report (0: all; more than the split has: all)")
     ap.add_argument("--batch", type=int, default=2, help="windows per calibration/report batch")
     ap.add_argument("--engine", choices=("auto", "torch", "onnxruntime"), default="auto",
-                    help="what runs calibration and the report: torch (the exported programs; on the GPU) "
-                         "or onnxruntime (CPU); auto: torch where a GPU is present")
+                    help="what runs calibration and the report: torch (the exported programs and PyTorch "
+                         "FP32/FP16 on the GPU; the INT8 files' quantized graphs still in onnxruntime) or "
+                         "onnxruntime (CPU, every file); auto: torch where a GPU is present")
     ap.add_argument("--time-budget", type=float, default=0, metavar="MIN",
                     help="with --int8: after the first calibration window, stop with the --calib-windows and "
                          "--eval-windows that fit this many minutes if the estimate is over it (the estimate "
@@ -95,7 +97,8 @@ def export(argv, progress: dict) -> int:
                          "quantizes everything; e.g. 'tok.enc' or 'world.temporal'); the report's int8_tokenizer / "
                          "int8_world rows say which part an INT8 drop comes from")
     ap.add_argument("--parity-windows", type=int, default=2,
-                    help="with the torch engine: windows the report also runs in onnxruntime, for parity")
+                    help="with the torch engine: windows the report also runs through the FP32 files in "
+                         "onnxruntime, for their parity with PyTorch")
     ap.add_argument("--trt-version", default="10.3.0", help="TensorRT version in the calibration cache header")
     ap.add_argument("--no-trt", action="store_true",
                     help="skip the TensorRT step (by default: engines where TensorRT and a GPU are "

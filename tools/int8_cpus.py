@@ -7,8 +7,7 @@ three ways on the inputs of real rollouts and reports, per graph, how many outpu
   native   onnxruntime's integer kernels on this CPU
   emulated the same kernels under qemu's model of another CPU (--cpu, default Haswell: AVX2 and FMA,
            no AVX-512, no VNNI; qemu answers onnxruntime's CPUID as that CPU would)
-  onnx     the file's ONNX semantics (Q/DQ as float ops, what TensorRT computes and wm's emulation
-           on a GPU reproduces), on this CPU
+  onnx     the file's ONNX semantics (Q/DQ as float ops, what TensorRT's file defines), on this CPU
 
     python tools/int8_cpus.py --run runs/demo                          # its export/, 8 validation windows
     python tools/int8_cpus.py --run runs/demo --cpu Skylake-Client --windows 16 --json cpus.json

@@ -1,14 +1,13 @@
-"""The INT8 report from the files themselves: every row run by onnxruntime on the CPU.
+"""The export's accuracy report again, every row run by onnxruntime on the CPU.
 
-With a GPU, `export.py --int8` computes its INT8 rows by applying each Q/DQ file's quantization to
-the exported programs on the GPU (minutes at the `occworld` size, where onnxruntime on the CPU
-takes hours), and runs the files themselves in onnxruntime on `--parity-windows` windows only. A
-quantized network turns a last-bit difference of a sum into a whole quantizer step, and a forecast
-is an argmax rollout, so the two engines' forecasts can differ on a few percent of the voxels while
-scoring the same. Where that parity falls under 99 %, the report says so and names this tool: it
-runs the same held-out windows through the files (and PyTorch FP32 on the CPU, the reference of
-every drop, on the GPU where there is one, as export.py computes it), prints the table, and sets each
-row beside the export's own report.json.
+`export.py --int8` with a GPU scores its INT8 rows on the files already (onnxruntime runs each
+graph that holds quantized nodes, PyTorch the float ones) and its FP16 row as PyTorch under float16
+autocast. This tool runs the held-out windows through the files alone: the FP16 files themselves,
+TensorRT's `.int8.onnx` by its ONNX semantics (Q/DQ as float ops) apart from onnxruntime's copy,
+each float graph in onnxruntime too, on as many windows as asked (more windows, smaller errors),
+without exporting again. PyTorch FP32, the reference of every drop, runs on the GPU where there is
+one, as export.py computes it. It prints the table and sets each row beside the export's own
+report.json.
 
     python tools/int8_report.py --run runs/occworld                           # every row, 64 windows
     python tools/int8_report.py --run runs/occworld --rows onnx_int8_ort --eval-windows 16

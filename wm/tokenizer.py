@@ -428,8 +428,8 @@ class Tokenizer(nn.Module):
             h = _ClassEmbed.apply(occ, w, dtype, self.fused_embedding_grad)  # (N, X, Y, Z, E)
             h = h.reshape(n, x, y, zz * self.cfg.embed_dim).permute(0, 3, 1, 2)  # channels-last memory
         else:
-            # the layout exported graphs have always had (Gather on the (N, Z, X, Y) labels): the INT8
-            # emulation's agreement with onnxruntime is tested on it (tests/test_int8.py)
+            # the layout exported graphs have always had (Gather on the (N, Z, X, Y) labels): the
+            # exported programs' calibration is tested against onnxruntime's on it (tests/test_int8.py)
             h = self.class_embed(occ.long().permute(0, 3, 1, 2))  # (N, Z, X, Y, E)
             h = h.permute(0, 1, 4, 2, 3).reshape(n, zz * self.cfg.embed_dim, x, y)
         # (N, Z*E, X, Y), channel z*E + e

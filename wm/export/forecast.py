@@ -12,16 +12,13 @@ same computation as ``WorldModel.rollout`` (tested equal), whatever runs the gra
 - :class:`OrtGraphs`: the ONNX files in onnxruntime (CPU): FP32, FP16 and the Q/DQ INT8 graphs as
   they are;
 - :class:`ProgramGraphs`: the torch.export programs the ONNX files were translated from, run node by
-  node (torch.fx.Interpreter) on any device, with two hooks: ``taps`` sees the value of every named
-  node that an ONNX tensor of interest has the name of (INT8 calibration at GPU speed,
-  wm.export.collect), and ``qdq`` applies a Q/DQ graph's quantization to the inputs and weights of
-  the nodes it quantizes (INT8 accuracy at GPU speed, checked against onnxruntime running the Q/DQ
-  file itself).
+  node (torch.fx.Interpreter) on any device, with a hook, ``taps``, that sees the value of every
+  named node that an ONNX tensor of interest has the name of (INT8 calibration at GPU speed,
+  wm.export.collect).
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
@@ -98,88 +95,10 @@ class OrtGraphs:
 # the exported programs, node by node
 
 
-def fx_name(onnx_node) -> Optional[str]:
-    """The FX node an ONNX node was translated from (the exporter's ``pkg.torch.onnx.fx_node``
-    metadata, '%name : ...'), or None."""
-    for p in onnx_node.metadata_props:
-        if p.key == "pkg.torch.onnx.fx_node":
-            m = re.match(r"%(\S+) :", p.value)
-            return m.group(1) if m else None
-    return None
-
-
-# the zero point of the symmetric grid [-128, 127] in each integer type
-_SYMMETRIC = {"int8": 0, "uint8": 128}
-
-
-def fake_quant(x: Tensor, scale: float) -> Tensor:
-    """ONNX QuantizeLinear -> DequantizeLinear, int8 with zero point 0 (or uint8 with 128, the same
-    grid): round half to even, saturate."""
-    return torch.clamp(torch.round(x.float() / scale), -128, 127).mul_(scale).to(x.dtype)
-
-
-class QdqPlan:
-    """What a Q/DQ ONNX graph quantizes, in the exported program's terms: for each quantized node
-    (by FX name) the activation scales of its data inputs (by FX name) and its dequantized weight.
-    Built from the Q/DQ file itself, so the emulation is of that file (scales bit for bit, weights
-    the file's int8 values times its scales)."""
-
-    def __init__(self, qdq_model):
-        from onnx import numpy_helper
-
-        g = qdq_model.graph
-        inits = {i.name: i for i in g.initializer}
-        prod = {o: n for n in g.node for o in n.output}
-        self.acts: dict[str, dict[str, float]] = {}  # fx node -> {input fx name: scale}
-        self.weights: dict[str, np.ndarray] = {}  # fx node -> dequantized weight (ONNX layout)
-        self.unmapped: list[str] = []
-
-        def arr(name):
-            return numpy_helper.to_array(inits[name]) if name in inits else None
-
-        for n in g.node:
-            if n.op_type in ("QuantizeLinear", "DequantizeLinear"):
-                continue
-            acts, weight = {}, None
-            for k, t in enumerate(n.input):
-                dq = prod.get(t)
-                if dq is None or dq.op_type != "DequantizeLinear":
-                    continue
-                q = prod.get(dq.input[0])
-                if q is not None and q.op_type == "QuantizeLinear":  # an activation
-                    z = arr(q.input[2]) if len(q.input) > 2 else None
-                    if z is None or int(np.asarray(z).reshape(-1)[0]) != _SYMMETRIC.get(np.asarray(z).dtype.name):
-                        raise ValueError(f"activation {q.input[0]!r}: zero point {z}, not the symmetric int8 grid "
-                                         "(int8 0 or uint8 128) that fake_quant emulates")
-                    acts[q.input[0]] = float(np.float32(arr(q.input[1])).reshape(-1)[0])
-                elif dq.input[0] in inits and k == 1:  # an int8 (or uint8, zero point 128) weight, per channel
-                    w, s = arr(dq.input[0]).astype(np.float32), np.asarray(arr(dq.input[1]), np.float32)
-                    z = np.asarray(arr(dq.input[2]), np.float32) if len(dq.input) > 2 else np.zeros(1, np.float32)
-                    axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
-                    shape = [1] * w.ndim
-                    shape[axis] = -1
-                    weight = (w - (z.reshape(shape) if z.size > 1 else z)) * (s.reshape(shape) if s.size > 1 else s)
-            if not acts and weight is None:
-                continue
-            fx = fx_name(n)
-            if fx is None:
-                self.unmapped.append(n.name)
-                continue
-            self.acts[fx] = acts
-            if weight is not None:
-                self.weights[fx] = weight
-
-    def same_values(self, other: "QdqPlan") -> bool:
-        """Whether both plans quantize the same nodes with the same scales and dequantized weights
-        (then their emulations compute the same, bit for bit)."""
-        return (self.acts == other.acts and self.weights.keys() == other.weights.keys()
-                and all(np.array_equal(w, other.weights[k]) for k, w in self.weights.items()))
-
-
 class _Interpreter(torch.fx.Interpreter):
-    def __init__(self, gm, device, taps=None, plan: Optional[QdqPlan] = None, wcache=None):
+    def __init__(self, gm, device, taps=None):
         super().__init__(gm, garbage_collect_values=True)
-        self.device, self.taps, self.plan, self.wcache = device, taps, plan, wcache
+        self.device, self.taps = device, taps
 
     def call_function(self, target, args, kwargs):
         if "device" in kwargs:  # tensors the program creates (masks, ranges) follow the run's device
@@ -187,52 +106,18 @@ class _Interpreter(torch.fx.Interpreter):
         return super().call_function(target, args, kwargs)
 
     def run_node(self, n):
-        if self.plan is not None and n.name in self.plan.acts:
-            return self._quantized(n)
         out = super().run_node(n)
         if self.taps is not None and isinstance(out, Tensor):
             self.taps(n.name, out)
         return out
 
-    def _quantized(self, n):
-        """Run node n on fake-quantized data inputs and its dequantized weight, as the Q/DQ graph does."""
-        scales = self.plan.acts[n.name]
-        with self._set_current_node(n):
-            args, kwargs = self.fetch_args_kwargs_from_env(n)
-            args = list(args)
-            for i, a in enumerate(n.args):
-                if isinstance(a, torch.fx.Node) and a.name in scales:
-                    args[i] = fake_quant(args[i], scales[a.name])
-            if n.name in self.plan.weights:
-                args[1] = self._weight(n, args[1])
-            out = getattr(self, n.op)(n.target, tuple(args), kwargs)
-        if self.taps is not None and isinstance(out, Tensor):
-            self.taps(n.name, out)
-        return out
-
-    def _weight(self, n, w: Tensor) -> Tensor:
-        """The Q/DQ file's dequantized weight in the layout node n takes: aten.linear holds W where
-        the ONNX MatMul holds W^T (square ones too); convolutions hold the same layout."""
-        if n.name not in self.wcache:
-            q = torch.from_numpy(self.plan.weights[n.name])
-            target = str(n.target)
-            if "linear" in target:
-                q = q.T
-            elif "convolution" not in target and "conv" not in target:
-                raise ValueError(f"no rule for the quantized weight of {n.name} ({target})")
-            if tuple(q.shape) != tuple(w.shape):
-                raise ValueError(f"quantized weight of {n.name} has shape {tuple(q.shape)}, its tensor {tuple(w.shape)}")
-            self.wcache[n.name] = q.contiguous().to(w.device, w.dtype)
-        return self.wcache[n.name]
-
 
 class ProgramGraphs:
     """The exported programs ({graph name: torch.export.ExportedProgram}, as export_graph returned
     them) run node by node on `device`. `taps(graph, node name, value)` is called with every node's
-    output; `plans` ({graph name: QdqPlan}) fake-quantizes what that graph's Q/DQ file quantizes."""
+    output."""
 
-    def __init__(self, programs: Mapping, device="cpu", taps: Optional[Callable] = None,
-                 plans: Optional[Mapping[str, QdqPlan]] = None):
+    def __init__(self, programs: Mapping, device="cpu", taps: Optional[Callable] = None):
         self.device = torch.device(device)
         self.gms = {}
         for k, ep in programs.items():
@@ -245,8 +130,7 @@ class ProgramGraphs:
                     if isinstance(v, torch.Tensor) and v.device != self.device:
                         setattr(owner, leaf, v.to(self.device))
             self.gms[k] = gm
-        self.taps, self.plans = taps, dict(plans or {})
-        self.wcache: dict[str, dict] = {k: {} for k in self.gms}
+        self.taps = taps
 
     def node_names(self, name: str) -> set[str]:
         return {n.name for n in self.gms[name].graph.nodes}
@@ -254,6 +138,6 @@ class ProgramGraphs:
     @torch.no_grad()
     def __call__(self, name: str, *inputs: Tensor) -> tuple:
         tap = (lambda n, v: self.taps(name, n, v)) if self.taps is not None else None
-        it = _Interpreter(self.gms[name], self.device, tap, self.plans.get(name), self.wcache[name])
+        it = _Interpreter(self.gms[name], self.device, tap)
         out = it.run(*(x.to(self.device) for x in inputs))
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)

@@ -288,10 +288,12 @@ def check_windows(trained, calib_windows: int, eval_windows: int, root=None, spl
     return len(ci), len(ei)
 
 
-def time_estimate(calib: int, evals: int, rows: int, sec: float, budget_s: float = 0.0, parity: int = 0) -> str:
+def time_estimate(calib: int, evals: int, rows: int, sec: float, budget_s: float = 0.0, parity: int = 0,
+                  int8_on_cpu: bool = False) -> str:
     """The INT8 step's time from one calibration window's seconds: two calibration passes over
     `calib` windows, then `rows` report rows over `evals` windows, each about a calibration window's
-    work; `parity` windows of onnxruntime on the CPU after them are named, not estimated (no GPU
+    work; the INT8 files' quantized graphs in onnxruntime on the CPU beside a GPU's rows
+    (`int8_on_cpu`) and `parity` windows of onnxruntime after them are named, not estimated (no GPU
     window tells their time). With a budget it is exceeded, Int8Error naming the window counts that fit it."""
     def fmt(x: float) -> str:
         return f"{x / 60:.0f} min" if x >= 120 else f"{x:.0f} s"
@@ -299,6 +301,8 @@ def time_estimate(calib: int, evals: int, rows: int, sec: float, budget_s: float
     cal_s, rep_s = 2 * calib * sec, rows * evals * sec
     line = (f"estimate from the first window ({sec:.1f} s each): calibration about {fmt(cal_s)} "
             f"({calib} windows, 2 passes), report about {fmt(rep_s)} ({evals} windows x {rows} rows)"
+            + (" plus the INT8 files' quantized graphs in onnxruntime on the CPU (the report's own ETA)"
+               if int8_on_cpu else "")
             + (f", then the parity of {parity} windows in onnxruntime on the CPU (its own ETA)" if parity else ""))
     if budget_s > 0 and cal_s + rep_s > budget_s:
         f = budget_s / (cal_s + rep_s)
@@ -342,21 +346,21 @@ def run_int8(trained, out_dir, calib_windows: int = 128, eval_windows: int = 64,
     out_dir = Path(out_dir)
     _, ev, _ = windows(trained, kw.get("root"), trained.cfg.data.val_split, eval_windows, "--eval-windows",
                        lambda s: None)
-    rows = 1 + sum(all(p.is_file() for p in graph_files(out_dir, k).values()) for k in ("", ".fp16")) + 2
+    fp16 = int(all(p.is_file() for p in graph_files(out_dir, ".fp16").values()))
     on_torch = pick_engine(engine, "report")[0] == "torch"
-    rows += 2 if on_torch else 0  # INT8_PARTS' rows
+    # torch: PyTorch FP32, FP16 under autocast, the INT8 rollout's float graphs; onnxruntime: every file kind
+    rows = 2 + fp16 if on_torch else 3 + fp16 + int(all(p.is_file() for p in graph_files(out_dir).values()))
 
     def estimate(calib: int, sec: float) -> None:
-        log(time_estimate(calib, len(ev), rows, sec, budget_s, parity=min(parity_windows, len(ev)) if on_torch else 0))
+        log(time_estimate(calib, len(ev), rows, sec, budget_s, parity=min(parity_windows, len(ev)) if on_torch else 0,
+                          int8_on_cpu=on_torch))
 
     q = int8_export(trained, out_dir, calib_windows, batch=batch, trt_version=trt_version, log=log,
                     engine=engine, programs=programs, mark=mark, first_window=estimate, **kw)
     eng, dev = pick_engine(engine, "report")
-    if q["calibration"]["engine"] == "onnxruntime" and engine == "auto":
-        eng, dev = "onnxruntime", "cpu"  # the programs did not match the files: see int8_export's note
     t0 = time.perf_counter()
     rep = accuracy_report(trained, out_dir, eval_windows, batch=batch, root=kw.get("root"), engine=eng,
-                          device=dev, programs=programs, parity_windows=parity_windows, log=log)
+                          device=dev, parity_windows=parity_windows, log=log)
     parity_s = rep.get("parity", {}).get("seconds", 0.0)  # onnxruntime on the CPU: its own phase
     q["seconds"]["report"] = round(time.perf_counter() - t0 - parity_s, 2)
     if parity_s:

@@ -158,7 +158,10 @@ def exact_range_tensors(model, tensors: Optional[Iterable[str]] = None) -> dict[
     - values of the graph's inputs, reached through no Conv/MatMul/Gemm (the ego motion, scaled and
       stacked, in front of the pose MLP at every rollout step). Their tails are measurements, and
       the informative part: a clipped displacement makes a fast ego look slow (demo run: threshold
-      at 0.41 of the max, the forecast lost a further 0.7 IoU points on the last steps).
+      at 0.41 of the max, the forecast lost a further 0.7 IoU points on the last steps);
+    - outputs of a Softmax (attention weights), seen through view ops: probabilities, whose range is
+      [0, 1] by construction. Most of them are near 0, so an entropy cut-off lands far below the
+      largest weight and saturates every sharp one: the attention the world model forecasts with.
 
     `tensors`: the quantizable inputs when the caller has them (:func:`quantizable_inputs` runs shape
     inference over the whole graph)."""
@@ -202,6 +205,9 @@ def exact_range_tensors(model, tensors: Optional[Iterable[str]] = None) -> dict[
         n = producer.get(x)
         if n is not None and n.op_type == "Gather" and n.input and n.input[0] in const:
             out[t] = f"rows of table {n.input[0]}"
+            continue
+        if n is not None and n.op_type == "Softmax":
+            out[t] = f"probabilities of {n.name or 'a Softmax'}"
             continue
         src = origin(t)
         if src:
@@ -497,6 +503,38 @@ def cpu_copy(qdq_path, out_path) -> int:
     except OSError as e:
         raise Int8Error(f"cannot write {out_path}: {e}") from None
     return len(weights)
+
+
+def is_quantized(path_or_model) -> bool:
+    """Whether a graph holds any QuantizeLinear / DequantizeLinear node (a graph kept wholly float by
+    --int8-float holds none: its INT8 files compute what the FP32 file computes)."""
+    return any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in _load(path_or_model).graph.node)
+
+
+def _on_int8_grid(x: np.ndarray) -> np.ndarray:
+    # int8 q and uint8 q + 128 (cpu_copy's form) read alike, so the two files compare value by value
+    if x.dtype == np.uint8:
+        return x.astype(np.int16) - 128
+    return x.astype(np.int16) if x.dtype == np.int8 else x
+
+
+def same_values(a, b) -> bool:
+    """Whether two Q/DQ graphs compute the same: the same nodes (types, wiring, attributes) and every
+    initializer equal once int8 tensors and uint8 ones with zero point 128 are both read on the int8
+    grid (a TensorRT file and its cpu_copy: True)."""
+    from onnx import numpy_helper
+
+    ga, gb = _load(a).graph, _load(b).graph
+    if [(n.op_type, list(n.input), list(n.output), [x.SerializeToString() for x in n.attribute]) for n in ga.node] \
+            != [(n.op_type, list(n.input), list(n.output), [x.SerializeToString() for x in n.attribute])
+                for n in gb.node]:
+        return False
+    ia = {i.name: i for i in ga.initializer}
+    ib = {i.name: i for i in gb.initializer}
+    if ia.keys() != ib.keys():
+        return False
+    return all(np.array_equal(_on_int8_grid(numpy_helper.to_array(ia[k])), _on_int8_grid(numpy_helper.to_array(ib[k])))
+               for k in ia)
 
 
 def _ort_qdq(onnx_path: Path, scales: Mapping[str, np.float32], nodes: Sequence[str], float_nodes: Sequence[str],

@@ -5,22 +5,23 @@ Rows (IoU / mIoU in percent per future step, averaged; drops against PyTorch FP3
 
 - ``pytorch_fp32``: the PyTorch modules (on the GPU where the torch engine runs);
 - ``onnx_fp32`` / ``onnx_fp16``: the ONNX graphs; ``onnx_int8``: TensorRT's Q/DQ files
-  (``.int8.onnx``) as their ONNX semantics define them (float ops on dequantized values, what
-  TensorRT computes); ``onnx_int8_ort``: onnxruntime's copies (``.int8-ort.onnx``: the same values
-  as uint8 with zero point 128, wm.export.qdq.cpu_copy) in onnxruntime's integer kernels, exact on
-  every x86 CPU. Engine ``onnxruntime``: the files themselves in onnxruntime on the CPU
+  (``.int8.onnx``) as their ONNX semantics define them (float ops on dequantized values);
+  ``onnx_int8_ort``: onnxruntime's copies (``.int8-ort.onnx``: the same values as uint8 with zero
+  point 128, wm.export.qdq.cpu_copy) in onnxruntime's integer kernels, exact on every x86 CPU.
+  Engine ``onnxruntime``: every row but pytorch_fp32 is its files in onnxruntime on the CPU
   (``onnx_int8`` with its Q/DQ fusion off, so that no CPU's integer kernel stands in for
-  TensorRT's). Engine ``torch`` (the default where a GPU is present, so that the report at the
-  `occworld` size takes minutes): each INT8 row is its Q/DQ file's quantization applied to the
-  exported program on the GPU (its scales bit for bit, its dequantized weights;
-  wm.export.forecast.QdqPlan; both files hold the same values, so one rollout serves both rows),
-  FP16 the modules under float16 autocast, and ``parity`` runs onnxruntime on the first
-  `parity_windows` windows and gives its voxel agreement with the torch rows (FP32 and both INT8
-  files), after the report's windows, as a phase of its own;
-- ``int8_tokenizer`` / ``int8_world`` (engine torch only, where they cost seconds, and only where
-  both parts hold quantized nodes): ``onnx_int8`` for the tokenizer's two graphs alone or the world
-  step alone, the other graphs FP32: which part an INT8 drop comes from, so that part can be kept
-  float (``export.py --int8-float``) or in FP16;
+  TensorRT's). Engine ``torch`` (the default where a GPU is present): FP16 is the modules under
+  float16 autocast, and the INT8 rows are still the files' own results: each graph that holds
+  quantized nodes runs as its ``.int8-ort.onnx`` file in onnxruntime on the CPU, and a graph that
+  holds none (kept float by ``export.py --int8-float``, by default the tokenizer's) is the FP32
+  graph, run by PyTorch FP32 on the GPU. Where both INT8 files hold the same values (export.py
+  writes them so), one rollout serves both rows: summing int8 products exactly, as TensorRT's
+  int8 kernels do. ``parity`` runs the FP32 files in onnxruntime on the first `parity_windows`
+  windows, after the report's windows, and gives their voxel agreement with PyTorch FP32;
+- ``int8_tokenizer`` / ``int8_world`` (engine torch, and only where both parts hold quantized
+  nodes): ``onnx_int8_ort`` for the tokenizer's two graphs alone or the world step alone, the other
+  graphs FP32: which part an INT8 drop comes from, so that part can be kept float
+  (``export.py --int8-float``) or in FP16;
 - ``copy_last``: the last past frame repeated, the floor beside every number.
 
 Each row also has its voxel agreement with PyTorch FP32 and its time per window in its engine, and
@@ -28,17 +29,15 @@ each drop, averaged and per future step, its standard error (``drop_iou_avg_se``
 a paired bootstrap over the held-out windows. The forecast is an argmax rollout, so a perturbation of
 any kind (INT8, FP16, or only another FP32 kernel) flips near-tied tokens and the futures that
 follow; the drop measured on 64 windows then moves by about this much from one run to the next,
-with no change in the quantizer.
+with no change in the quantizer. For the same reason no two INT8 engines agree voxel for voxel: a
+quantized network turns a last-bit difference of a float sum into a whole quantizer step (the same
+file as onnxruntime's integer kernels and as float ops kept 87 to 91 % of the world step's codes at
+the `occworld` size), so an INT8 row is only ever the accuracy of the files that computed it, and
+the report computes it from the files.
 
-For the same reason the rollout parity (two engines' forecasts, voxel by voxel) mixes what the
-engines compute differently with what a flipped token does to every later frame. ``parity`` therefore
-also holds each graph's agreement on the same inputs (``graphs``: the torch row's own inputs to
-each call handed to onnxruntime too, its integer codes or its decoded classes compared): that is
-how far the file and the emulation compute the same thing. And it scores the files' rollouts and
-the torch rows' on those windows alike (``accuracy``), since what the report promises is the
-accuracy: where an INT8 file's rollouts agree with its row on under PARITY_MIN of the voxels, the
-printed report says so and names tools/int8_report.py, which runs the files themselves on every
-window.
+``parity`` also holds each graph's agreement on the same inputs (``graphs``: PyTorch FP32's own
+inputs to each call handed to onnxruntime too, its integer codes or its decoded classes compared)
+and scores the files' rollouts and PyTorch's on those windows alike (``accuracy``).
 """
 
 from __future__ import annotations
@@ -59,9 +58,6 @@ VARIANTS = ("pytorch_fp32", "onnx_fp32", "onnx_fp16", "onnx_int8", "onnx_int8_or
 INT8_PARTS = {"int8_tokenizer": ("tokenizer_encode", "tokenizer_decode"), "int8_world": ("world_step",)}
 GRAPHS = ("tokenizer_encode", "world_step", "tokenizer_decode")
 CPU_INT8 = ".int8-ort"  # onnxruntime's INT8 copies (wm.export.qdq.cpu_copy)
-# below this share of equal voxels between a file's rollouts in onnxruntime and its emulated row,
-# the report says that its INT8 rows are the emulation's and how to get the files' own
-PARITY_MIN = 0.99
 # row -> (file kind, onnxruntime runs its Q/DQ as float ops)
 ROW_FILES = {"onnx_fp32": ("", False), "onnx_fp16": (".fp16", False), "onnx_int8": (".int8", True),
              "onnx_int8_ort": (CPU_INT8, False)}
@@ -85,13 +81,15 @@ def _num(x):
 
 
 class Mixed:
-    """A RunGraph that runs the graphs named in `these` on `run` and every other graph on `rest`."""
+    """A RunGraph that runs the graphs named in `these` on `run` and every other graph on `rest`,
+    with every output on `device` where one is given (onnxruntime's come back on the CPU)."""
 
-    def __init__(self, run: Callable, rest: Callable, these):
-        self.run, self.rest, self.these = run, rest, frozenset(these)
+    def __init__(self, run: Callable, rest: Callable, these, device=None):
+        self.run, self.rest, self.these, self.device = run, rest, frozenset(these), device
 
     def __call__(self, name: str, *inputs: torch.Tensor) -> tuple:
-        return (self.run if name in self.these else self.rest)(name, *inputs)
+        out = (self.run if name in self.these else self.rest)(name, *inputs)
+        return out if self.device is None else tuple(x.to(self.device) for x in out)
 
 
 class GraphParity:
@@ -121,15 +119,16 @@ class GraphParity:
         return {g: (n / t if t else None) for g, (n, t) in self.counts.items()}
 
 
-def _engines(trained, out_dir: Path, engine: str, device, programs) -> dict[str, tuple[Callable, str]]:
+def _engines(trained, out_dir: Path, engine: str, device) -> dict[str, tuple[Callable, str]]:
     """{row: (run_graph, what runs it)} for the rows this engine computes."""
-    from wm.export.forecast import ProgramGraphs, QdqPlan, TorchGraphs
+    from wm.export.forecast import TorchGraphs
     from wm.export.onnx import graphs
-    from wm.export.qdq import _load
+    from wm.export.qdq import is_quantized, same_values
 
     files = {row: graph_files(out_dir, kind) for row, (kind, _) in ROW_FILES.items()}
     dev = torch.device(device)
-    rows = {"pytorch_fp32": (TorchGraphs(graphs(trained), dev), f"torch {dev.type}")}
+    fp32 = TorchGraphs(graphs(trained), dev)
+    rows = {"pytorch_fp32": (fp32, f"torch {dev.type}")}
     if engine == "onnxruntime":
         what = {"onnx_int8": "onnxruntime cpu, Q/DQ as float ops (the file's ONNX semantics, as TensorRT)",
                 "onnx_int8_ort": "onnxruntime cpu int8 kernels"}
@@ -139,40 +138,38 @@ def _engines(trained, out_dir: Path, engine: str, device, programs) -> dict[str,
         return rows
     if all(p.is_file() for p in files["onnx_fp16"].values()):
         rows["onnx_fp16"] = (TorchGraphs(graphs(trained), dev, fp16=True), f"torch {dev.type} float16 autocast")
-    plans = {}
-    for v in ("onnx_int8", "onnx_int8_ort"):
-        try:
-            plans[v] = {g: QdqPlan(_load(p)) for g, p in files[v].items()}
-        except ValueError as e:  # a Q/DQ file that export.py did not write
-            raise Int8Error(f"{ROW_FILES[v][0]}.onnx files in {out_dir}: {e}") from None
-        unmapped = {g: p.unmapped for g, p in plans[v].items() if p.unmapped}
-        if unmapped:
-            g, names = next(iter(unmapped.items()))
-            raise Int8Error(f"{files[v][g].name}: quantized nodes {names[:3]} have no exported-program node to "
-                            "emulate them on; use --engine onnxruntime")
-        if v == "onnx_int8_ort" and all(p.same_values(plans["onnx_int8"][g]) for g, p in plans[v].items()):
-            # the copy holds the same values (uint8, zero point 128): one emulation serves both rows
-            rows[v] = (rows["onnx_int8"][0], f"torch {dev.type} (Q/DQ of the {CPU_INT8}.onnx files emulated: "
-                                             "the same values as the .int8.onnx files, one rollout for both)")
-            continue
-        rows[v] = (ProgramGraphs(programs, dev, plans=plans[v]),
-                   f"torch {dev.type} (Q/DQ of the {ROW_FILES[v][0]}.onnx files emulated)")
-    quantized = {g for g, p in plans["onnx_int8"].items() if p.acts}
+    # INT8: every graph that holds quantized nodes is its file in onnxruntime (the file's own integer
+    # results); a graph kept wholly float is the FP32 graph, so PyTorch FP32 runs it on the GPU
+    quantized = [g for g in GRAPHS if is_quantized(files["onnx_int8_ort"][g])]
+    rest = [g for g in GRAPHS if g not in quantized]
+    where = (f"; {', '.join(rest)} (no quantized node) torch {dev.type} FP32" if rest else "")
+    ort = ort_row(out_dir, "onnx_int8_ort")
+    rows["onnx_int8_ort"] = (Mixed(ort, fp32, quantized, dev),
+                             f"onnxruntime cpu int8 kernels on the {CPU_INT8}.onnx files of {', '.join(quantized)}{where}")
+    if all(same_values(files["onnx_int8"][g], files["onnx_int8_ort"][g]) for g in GRAPHS):
+        # the copy holds TensorRT's values (uint8, zero point 128): its rollout serves both rows, in
+        # integer arithmetic as TensorRT's int8 kernels do it
+        rows["onnx_int8"] = (rows["onnx_int8_ort"][0], f"the onnx_int8_ort rollout (its {CPU_INT8}.onnx files hold "
+                                                       "these files' values)")
+    else:
+        q8 = [g for g in GRAPHS if is_quantized(files["onnx_int8"][g])]
+        rows["onnx_int8"] = (Mixed(ort_row(out_dir, "onnx_int8"), fp32, q8, dev),
+                             f"onnxruntime cpu, Q/DQ as float ops, on the .int8.onnx files of {', '.join(q8)}; "
+                             f"the rest torch {dev.type} FP32")
     for v, these in INT8_PARTS.items():
-        if not quantized & set(these) or not quantized - set(these):
-            continue  # every quantized node in one part: the row would repeat pytorch_fp32 or onnx_int8
-        rows[v] = (Mixed(rows["onnx_int8"][0], rows["pytorch_fp32"][0], these),
-                   f"torch {dev.type} ({', '.join(these)} as onnx_int8, the rest as pytorch_fp32)")
+        if not set(quantized) & set(these) or not set(quantized) - set(these):
+            continue  # every quantized node in one part: the row would repeat pytorch_fp32 or onnx_int8_ort
+        rows[v] = (Mixed(rows["onnx_int8_ort"][0], fp32, these, dev),
+                   f"{', '.join(these)} as onnx_int8_ort, the rest as pytorch_fp32")
     return rows
 
 
 def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4, root=None,
                     split: Optional[str] = None, engine: str = "onnxruntime", device="cpu",
-                    programs: Optional[Mapping] = None, parity_windows: int = 2,
+                    parity_windows: int = 2,
                     log: Callable[[str], None] = print, rows: Optional[Sequence[str]] = None) -> dict:
     """IoU / mIoU (percent) per future step on `held_out_windows` windows (0: all) of the run's VAL
-    split, evenly spread; see the module docstring for the rows. `programs` ({graph:
-    ExportedProgram}, what export_graph returned) is needed by engine "torch". `rows`: only these
+    split, evenly spread; see the module docstring for the rows. `rows`: only these
     rows besides pytorch_fp32 and copy_last (default: every row the engine has files for). JSON-ready."""
     from wm.export.collect import Progress, batches, windows
     from wm.export.forecast import forecast
@@ -188,10 +185,8 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
         for g, f in graph_files(out_dir, kind).items():
             if not f.is_file():
                 raise Int8Error(f"{f} does not exist; run the INT8 step (export.py --int8) first")
-    if engine == "torch" and not programs:
-        raise Int8Error("the torch engine needs the exported programs of this export (export.py passes them)")
     only = rows
-    rows = _engines(trained, out_dir, engine, device, programs)
+    rows = _engines(trained, out_dir, engine, device)
     if only is not None:
         bad = sorted(set(only) - set(rows) - {"pytorch_fp32"})
         if bad:
@@ -206,8 +201,8 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
     agree = {v: [0, 0] for v in variants}
     secs = dict.fromkeys(rows, 0.0)
     parity = {"windows": 0}
-    # the torch row each onnxruntime row is held against (where the report computes that row)
-    par_src = {"onnx_fp32": "pytorch_fp32", "onnx_int8": "onnx_int8", "onnx_int8_ort": "onnx_int8_ort"}
+    # the torch row each onnxruntime row is held against (the INT8 rows are the files' own already)
+    par_src = {"onnx_fp32": "pytorch_fp32"}
     ort = {v: ort_row(out_dir, v) for v, src in par_src.items() if src in rows} \
         if engine == "torch" and parity_windows > 0 else {}
     par = {v: [0, 0] for v in ort}
@@ -287,8 +282,7 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
     for v, se in drop_se(per_window, free).items():
         out[v].update(se)
     if ort:  # onnxruntime on the files vs the torch rows, voxel by voxel
-        names = {"onnx_fp32": "onnx_fp32_vs_pytorch_fp32", "onnx_int8": "onnx_int8_vs_emulated_int8",
-                 "onnx_int8_ort": "onnx_int8_ort_vs_emulated_int8_ort"}
+        names = {"onnx_fp32": "onnx_fp32_vs_pytorch_fp32"}
         for v in ort:
             parity[names[v]] = par[v][0] / max(par[v][1], 1)
         parity["graphs"] = {names[v]: t.agreement() for v, t in tees.items()}
@@ -393,13 +387,4 @@ def format_report(d: Mapping) -> str:
             lines.append(f"  IoU / mIoU on these windows, the file in onnxruntime | its torch row, {k}: "
                          f"{f(a['file_iou_avg'])} / {f(a['file_miou_avg'])} | {f(a['torch_iou_avg'])} / "
                          f"{f(a['torch_miou_avg'])}")
-        low = [k.split("_vs_")[0] for k, x in p.items() if k.startswith("onnx_int8") and isinstance(x, float)
-               and x < PARITY_MIN]
-        if low:
-            # the parity ran each file twice per window: as a rollout and graph by graph
-            per = p.get("seconds", 0.0) / max(2 * p["windows"] * len(p.get("graphs", {})), 1)
-            lines.append(f"{', '.join(low)}: the files in onnxruntime agree with these emulated rows on under "
-                         f"{100 * PARITY_MIN:g} % of the rollouts' voxels, so the rows are the emulation's accuracy; "
-                         f"the files' own on every window: python tools/int8_report.py --run <run> --rows "
-                         f"{','.join(low)} (onnxruntime on the CPU, about {per:.0f} s per window and file here)")
     return "\n".join(lines)
