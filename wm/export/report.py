@@ -30,10 +30,9 @@ a paired bootstrap over the held-out windows. The forecast is an argmax rollout,
 any kind (INT8, FP16, or only another FP32 kernel) flips near-tied tokens and the futures that
 follow; the drop measured on 64 windows then moves by about this much from one run to the next,
 with no change in the quantizer. For the same reason no two INT8 engines agree voxel for voxel: a
-quantized network turns a last-bit difference of a float sum into a whole quantizer step (the same
-file as onnxruntime's integer kernels and as float ops kept 87 to 91 % of the world step's codes at
-the `occworld` size), so an INT8 row is only ever the accuracy of the files that computed it, and
-the report computes it from the files.
+quantized network turns a last-bit difference of a float sum into a whole quantizer step, and the
+steps that follow move with it, so an INT8 row is only ever the accuracy of the files that computed
+it, and the report computes it from the files.
 
 ``parity`` also holds each graph's agreement on the same inputs (``graphs``: PyTorch FP32's own
 inputs to each call handed to onnxruntime too, its integer codes or its decoded classes compared)
@@ -45,6 +44,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -117,6 +117,14 @@ class GraphParity:
 
     def agreement(self) -> dict[str, Optional[float]]:
         return {g: (n / t if t else None) for g, (n, t) in self.counts.items()}
+
+
+def _rollout(run: Callable, cfg, args) -> tuple[torch.Tensor, float]:
+    """One batch's forecast by `run` (on the CPU) and its seconds."""
+    from wm.export.forecast import forecast
+
+    t0 = time.perf_counter()
+    return forecast(run, cfg, *args).cpu(), time.perf_counter() - t0
 
 
 def _engines(trained, out_dir: Path, engine: str, device) -> dict[str, tuple[Callable, str]]:
@@ -209,37 +217,45 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
     tees = {v: GraphParity(rows[par_src[v]][0], run) for v, run in ort.items()}
     kept = []  # the first parity_windows windows: inputs, the torch rows' forecasts, targets and masks
     prog = Progress("report", len(idx), "windows", log)
-    for b in batches(ds, idx, int(batch)):
-        occ, motion = b["occ"], b["motion"]
-        target = occ[:, P:]
-        mask = b["mask"][:, P:] if "mask" in b else None
-        args = (occ[:, :P], motion[:, :P], motion[:, P:] if given else None)
-        preds, done = {}, {}  # done: rows that share one engine (the same values) share its rollout
-        for v, (run, _) in rows.items():
-            if id(run) not in done:
-                t0 = time.perf_counter()
-                done[id(run)] = (forecast(run, cfg, *args).cpu(), time.perf_counter() - t0)
-            preds[v] = done[id(run)][0]
-            secs[v] += done[id(run)][1]
-        preds["copy_last"] = copy_last(occ[:, :P], S)
-        ref = preds["pytorch_fp32"]
-        for v in variants:
-            p = preds[v]
-            if tuple(p.shape) != tuple(target.shape):
-                raise Int8Error(f"{v}: forecast shape {tuple(p.shape)}, expected {tuple(target.shape)}")
-            for i in range(len(p)):
-                cm = ConfusionMatrix(C, free, S)
-                cm.update(p[i:i + 1], target[i:i + 1], None if mask is None else mask[i:i + 1])
-                per_window[v].append(cm.counts)
-            agree[v][0] += int((p == ref).sum())
-            agree[v][1] += p.numel()
-        n = min(len(occ), parity_windows - parity["windows"])
-        if ort and n > 0:  # kept for the parity phase, apart: its CPU minutes would make this ETA no guide
-            kept.append(([a[:n].clone() if a is not None else None for a in args],
-                         {v: preds[par_src[v]][:n].clone() for v in ort}, target[:n].clone(),
-                         None if mask is None else mask[:n].clone()))
-            parity["windows"] += n
-        prog.step(len(occ))
+    pool = ThreadPoolExecutor(1) if engine == "torch" else None
+    try:
+        for b in batches(ds, idx, int(batch)):
+            occ, motion = b["occ"], b["motion"]
+            target = occ[:, P:]
+            mask = b["mask"][:, P:] if "mask" in b else None
+            args = (occ[:, :P], motion[:, :P], motion[:, P:] if given else None)
+            # rows that share one engine (the same values) share its rollout; with a GPU the INT8 rollouts
+            # (onnxruntime on the CPU) run in a thread while the GPU computes the other rows
+            runs = {id(run): run for run, _ in rows.values()}
+            later = {k: pool.submit(_rollout, r, cfg, args) for k, r in runs.items() if pool and isinstance(r, Mixed)}
+            done = {k: _rollout(r, cfg, args) for k, r in runs.items() if k not in later}
+            done.update({k: f.result() for k, f in later.items()})
+            preds = {}
+            for v, (run, _) in rows.items():
+                preds[v] = done[id(run)][0]
+                secs[v] += done[id(run)][1]
+            preds["copy_last"] = copy_last(occ[:, :P], S)
+            ref = preds["pytorch_fp32"]
+            for v in variants:
+                p = preds[v]
+                if tuple(p.shape) != tuple(target.shape):
+                    raise Int8Error(f"{v}: forecast shape {tuple(p.shape)}, expected {tuple(target.shape)}")
+                for i in range(len(p)):
+                    cm = ConfusionMatrix(C, free, S)
+                    cm.update(p[i:i + 1], target[i:i + 1], None if mask is None else mask[i:i + 1])
+                    per_window[v].append(cm.counts)
+                agree[v][0] += int((p == ref).sum())
+                agree[v][1] += p.numel()
+            n = min(len(occ), parity_windows - parity["windows"])
+            if ort and n > 0:  # kept for the parity phase, apart: its CPU minutes would make this ETA no guide
+                kept.append(([a[:n].clone() if a is not None else None for a in args],
+                             {v: preds[par_src[v]][:n].clone() for v in ort}, target[:n].clone(),
+                             None if mask is None else mask[:n].clone()))
+                parity["windows"] += n
+            prog.step(len(occ))
+    finally:
+        if pool:  # a failed batch leaves no rollout running
+            pool.shutdown(cancel_futures=True)
     report_s = prog.seconds
     if kept:
         log(f"parity: onnxruntime runs the files of {', '.join(ort)} on the CPU ({os.cpu_count()} CPU threads) on the "
