@@ -505,17 +505,9 @@ def cpu_copy(qdq_path, out_path) -> int:
     return len(weights)
 
 
-def is_quantized(path_or_model) -> bool:
-    """Whether a graph holds any QuantizeLinear / DequantizeLinear node (a graph kept wholly float by
-    --int8-float holds none: its INT8 files compute what the FP32 file computes)."""
-    return any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in _load(path_or_model).graph.node)
-
-
 def _on_int8_grid(x: np.ndarray) -> np.ndarray:
     # int8 q and uint8 q + 128 (cpu_copy's form) read alike, so the two files compare value by value
-    if x.dtype == np.uint8:
-        return x.astype(np.int16) - 128
-    return x.astype(np.int16) if x.dtype == np.int8 else x
+    return x.astype(np.int16) - (128 if x.dtype == np.uint8 else 0) if x.dtype in (np.uint8, np.int8) else x
 
 
 def same_values(a, b) -> bool:
@@ -525,13 +517,12 @@ def same_values(a, b) -> bool:
     from onnx import numpy_helper
 
     ga, gb = _load(a).graph, _load(b).graph
-    if [(n.op_type, list(n.input), list(n.output), [x.SerializeToString() for x in n.attribute]) for n in ga.node] \
-            != [(n.op_type, list(n.input), list(n.output), [x.SerializeToString() for x in n.attribute])
-                for n in gb.node]:
-        return False
-    ia = {i.name: i for i in ga.initializer}
-    ib = {i.name: i for i in gb.initializer}
-    if ia.keys() != ib.keys():
+
+    def nodes(g):
+        return [(n.op_type, list(n.input), list(n.output), [x.SerializeToString() for x in n.attribute]) for n in g.node]
+
+    ia, ib = {i.name: i for i in ga.initializer}, {i.name: i for i in gb.initializer}
+    if nodes(ga) != nodes(gb) or ia.keys() != ib.keys():
         return False
     return all(np.array_equal(_on_int8_grid(numpy_helper.to_array(ia[k])), _on_int8_grid(numpy_helper.to_array(ib[k])))
                for k in ia)

@@ -131,7 +131,7 @@ def _engines(trained, out_dir: Path, engine: str, device) -> dict[str, tuple[Cal
     """{row: (run_graph, what runs it)} for the rows this engine computes."""
     from wm.export.forecast import TorchGraphs
     from wm.export.onnx import graphs
-    from wm.export.qdq import is_quantized, same_values
+    from wm.export.qdq import _load, same_values
 
     files = {row: graph_files(out_dir, kind) for row, (kind, _) in ROW_FILES.items()}
     dev = torch.device(device)
@@ -148,6 +148,9 @@ def _engines(trained, out_dir: Path, engine: str, device) -> dict[str, tuple[Cal
         rows["onnx_fp16"] = (TorchGraphs(graphs(trained), dev, fp16=True), f"torch {dev.type} float16 autocast")
     # INT8: every graph that holds quantized nodes is its file in onnxruntime (the file's own integer
     # results); a graph kept wholly float is the FP32 graph, so PyTorch FP32 runs it on the GPU
+    def is_quantized(path) -> bool:  # a graph kept wholly float by --int8-float holds no Q/DQ node
+        return any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in _load(path).graph.node)
+
     quantized = [g for g in GRAPHS if is_quantized(files["onnx_int8_ort"][g])]
     rest = [g for g in GRAPHS if g not in quantized]
     where = (f"; {', '.join(rest)} (no quantized node) torch {dev.type} FP32" if rest else "")
