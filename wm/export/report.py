@@ -148,22 +148,24 @@ def _engines(trained, out_dir: Path, engine: str, device) -> dict[str, tuple[Cal
         rows["onnx_fp16"] = (TorchGraphs(graphs(trained), dev, fp16=True), f"torch {dev.type} float16 autocast")
     # INT8: every graph that holds quantized nodes is its file in onnxruntime (the file's own integer
     # results); a graph kept wholly float is the FP32 graph, so PyTorch FP32 runs it on the GPU
-    def is_quantized(path) -> bool:  # a graph kept wholly float by --int8-float holds no Q/DQ node
-        return any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in _load(path).graph.node)
+    models = {v: {g: _load(p) for g, p in files[v].items()} for v in ("onnx_int8", "onnx_int8_ort")}  # read once
 
-    quantized = [g for g in GRAPHS if is_quantized(files["onnx_int8_ort"][g])]
+    def is_quantized(m) -> bool:  # a graph kept wholly float by --int8-float holds no Q/DQ node
+        return any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in m.graph.node)
+
+    quantized = [g for g in GRAPHS if is_quantized(models["onnx_int8_ort"][g])]
     rest = [g for g in GRAPHS if g not in quantized]
     where = (f"; {', '.join(rest)} (no quantized node) torch {dev.type} FP32" if rest else "")
     ort = ort_row(out_dir, "onnx_int8_ort")
     rows["onnx_int8_ort"] = (Mixed(ort, fp32, quantized, dev),
                              f"onnxruntime cpu int8 kernels on the {CPU_INT8}.onnx files of {', '.join(quantized)}{where}")
-    if all(same_values(files["onnx_int8"][g], files["onnx_int8_ort"][g]) for g in GRAPHS):
+    if all(same_values(models["onnx_int8"][g], models["onnx_int8_ort"][g]) for g in GRAPHS):
         # the copy holds TensorRT's values (uint8, zero point 128): its rollout serves both rows, in
         # integer arithmetic as TensorRT's int8 kernels do it
         rows["onnx_int8"] = (rows["onnx_int8_ort"][0], f"the onnx_int8_ort rollout (its {CPU_INT8}.onnx files hold "
                                                        "these files' values)")
     else:
-        q8 = [g for g in GRAPHS if is_quantized(files["onnx_int8"][g])]
+        q8 = [g for g in GRAPHS if is_quantized(models["onnx_int8"][g])]
         rows["onnx_int8"] = (Mixed(ort_row(out_dir, "onnx_int8"), fp32, q8, dev),
                              f"onnxruntime cpu, Q/DQ as float ops, on the .int8.onnx files of {', '.join(q8)}; "
                              f"the rest torch {dev.type} FP32")
