@@ -120,7 +120,7 @@ class GraphParity:
 
 
 def _rollout(run: Callable, cfg, args) -> tuple[torch.Tensor, float]:
-    """One batch's forecast by `run` (on the CPU) and its seconds."""
+    """One batch's forecast by `run`, moved to the CPU, and its seconds."""
     from wm.export.forecast import forecast
 
     t0 = time.perf_counter()
@@ -223,15 +223,15 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
     kept = []  # the first parity_windows windows: inputs, the torch rows' forecasts, targets and masks
     prog = Progress("report", len(idx), "windows", log)
     pool = ThreadPoolExecutor(1) if engine == "torch" else None
+    runs = {id(run): run for run, _ in rows.values()}  # rows that share one engine share its rollout
     try:
         for b in batches(ds, idx, int(batch)):
             occ, motion = b["occ"], b["motion"]
             target = occ[:, P:]
             mask = b["mask"][:, P:] if "mask" in b else None
             args = (occ[:, :P], motion[:, :P], motion[:, P:] if given else None)
-            # rows that share one engine (the same values) share its rollout; with a GPU the INT8 rollouts
-            # (onnxruntime on the CPU) run in a thread while the GPU computes the other rows
-            runs = {id(run): run for run, _ in rows.values()}
+            # with a GPU the INT8 rollouts (onnxruntime on the CPU) run in a thread while the GPU
+            # computes the other rows
             later = {k: pool.submit(_rollout, r, cfg, args) for k, r in runs.items() if pool and isinstance(r, Mixed)}
             done = {k: _rollout(r, cfg, args) for k, r in runs.items() if k not in later}
             done.update({k: f.result() for k, f in later.items()})
