@@ -14,7 +14,9 @@ Rows (IoU / mIoU in percent per future step, averaged; drops against PyTorch FP3
   float16 autocast, and the INT8 rows are still the files' own results: each graph that holds
   quantized nodes runs as its ``.int8-ort.onnx`` file in onnxruntime on the CPU, and a graph that
   holds none (kept float by ``export.py --int8-float``, by default the tokenizer's) is the FP32
-  graph, run by PyTorch FP32 on the GPU. Where both INT8 files hold the same values (export.py
+  graph, run by PyTorch FP32 on the GPU. Those rollouts go window by window to `workers` threads,
+  each with its own onnxruntime sessions on its share of the cores (one session's many threads
+  scale badly), while the GPU computes the other rows. Where both INT8 files hold the same values (export.py
   writes them so), one rollout serves both rows: summing int8 products exactly, as TensorRT's
   int8 kernels do. ``parity`` runs the FP32 files in onnxruntime on the first `parity_windows`
   windows, after the report's windows, and gives their voxel agreement with PyTorch FP32;
@@ -43,7 +45,9 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
@@ -68,12 +72,34 @@ def graph_files(out_dir: Path, kind: str = "") -> dict[str, Path]:
     return {g: Path(out_dir) / f"{g}{kind}.onnx" for g in GRAPHS}
 
 
-def ort_row(out_dir: Path, row: str):
+def ort_row(out_dir: Path, row: str, threads: int = 0):
     """A row's files in onnxruntime, run as the row defines them (ROW_FILES)."""
     from wm.export.forecast import OrtGraphs
 
     kind, qdq_in_float = ROW_FILES[row]
-    return OrtGraphs(graph_files(out_dir, kind), qdq_in_float=qdq_in_float)
+    return OrtGraphs(graph_files(out_dir, kind), threads, qdq_in_float=qdq_in_float)
+
+
+def rollout_workers(cpus: Optional[int] = None) -> int:
+    """onnxruntime sessions that roll out the INT8 files side by side (engine torch), each on its
+    share of the cores: one per 4 cores (one session's 32 threads ran the occworld world step at less
+    than half the rate of 8 sessions of 4), at most 4: each holds a world step's activations, and 4
+    put the report's host peak at 6.9 GiB of the 8 allowed."""
+    return max(1, min(4, (cpus or os.cpu_count() or 1) // 4))
+
+
+class PerThread:
+    """A RunGraph made anew, by `make()`, in each thread that calls it: onnxruntime sessions that
+    run side by side, each on its own threads, where one session's many threads scale badly."""
+
+    def __init__(self, make: Callable[[], Callable]):
+        self.make, self.local = make, threading.local()
+
+    def __call__(self, name: str, *inputs: torch.Tensor) -> tuple:
+        run = getattr(self.local, "run", None)
+        if run is None:
+            run = self.local.run = self.make()
+        return run(name, *inputs)
 
 
 def _num(x):
@@ -127,8 +153,9 @@ def _rollout(run: Callable, cfg, args) -> tuple[torch.Tensor, float]:
     return forecast(run, cfg, *args).cpu(), time.perf_counter() - t0
 
 
-def _engines(trained, out_dir: Path, engine: str, device) -> dict[str, tuple[Callable, str]]:
-    """{row: (run_graph, what runs it)} for the rows this engine computes."""
+def _engines(trained, out_dir: Path, engine: str, device, workers: int = 1) -> dict[str, tuple[Callable, str]]:
+    """{row: (run_graph, what runs it)} for the rows this engine computes; with engine torch the
+    INT8 files' rollouts are PerThread, for `workers` threads side by side."""
     from wm.export.forecast import TorchGraphs
     from wm.export.onnx import graphs
     from wm.export.qdq import _load, same_values
@@ -156,9 +183,15 @@ def _engines(trained, out_dir: Path, engine: str, device) -> dict[str, tuple[Cal
     quantized = [g for g in GRAPHS if is_quantized(models["onnx_int8_ort"][g])]
     rest = [g for g in GRAPHS if g not in quantized]
     where = (f"; {', '.join(rest)} (no quantized node) torch {dev.type} FP32" if rest else "")
-    ort = ort_row(out_dir, "onnx_int8_ort")
-    rows["onnx_int8_ort"] = (Mixed(ort, fp32, quantized, dev),
-                             f"onnxruntime cpu int8 kernels on the {CPU_INT8}.onnx files of {', '.join(quantized)}{where}")
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    side = f" ({workers} sessions side by side, {threads} thread{'s' * (threads > 1)} each)" if workers > 1 else ""
+
+    def files_of(row, these):  # each thread its own sessions of the row's files, PyTorch FP32 for the rest
+        return PerThread(lambda: Mixed(ort_row(out_dir, row, threads if workers > 1 else 0), fp32, these, dev))
+
+    rows["onnx_int8_ort"] = (files_of("onnx_int8_ort", quantized),
+                             f"onnxruntime cpu int8 kernels{side} on the {CPU_INT8}.onnx files of "
+                             f"{', '.join(quantized)}{where}")
     if all(same_values(models["onnx_int8"][g], models["onnx_int8_ort"][g]) for g in GRAPHS):
         # the copy holds TensorRT's values (uint8, zero point 128): its rollout serves both rows, in
         # integer arithmetic as TensorRT's int8 kernels do it
@@ -166,8 +199,8 @@ def _engines(trained, out_dir: Path, engine: str, device) -> dict[str, tuple[Cal
                                                        "these files' values)")
     else:
         q8 = [g for g in GRAPHS if is_quantized(models["onnx_int8"][g])]
-        rows["onnx_int8"] = (Mixed(ort_row(out_dir, "onnx_int8"), fp32, q8, dev),
-                             f"onnxruntime cpu, Q/DQ as float ops, on the .int8.onnx files of {', '.join(q8)}; "
+        rows["onnx_int8"] = (files_of("onnx_int8", q8),
+                             f"onnxruntime cpu, Q/DQ as float ops{side}, on the .int8.onnx files of {', '.join(q8)}; "
                              f"the rest torch {dev.type} FP32")
     for v, these in INT8_PARTS.items():
         if not set(quantized) & set(these) or not set(quantized) - set(these):
@@ -179,13 +212,14 @@ def _engines(trained, out_dir: Path, engine: str, device) -> dict[str, tuple[Cal
 
 def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4, root=None,
                     split: Optional[str] = None, engine: str = "onnxruntime", device="cpu",
-                    parity_windows: int = 2,
-                    log: Callable[[str], None] = print, rows: Optional[Sequence[str]] = None) -> dict:
+                    parity_windows: int = 2, log: Callable[[str], None] = print,
+                    rows: Optional[Sequence[str]] = None, workers: int = 0) -> dict:
     """IoU / mIoU (percent) per future step on `held_out_windows` windows (0: all) of the run's VAL
     split, evenly spread; see the module docstring for the rows. `rows`: only these
-    rows besides pytorch_fp32 and copy_last (default: every row the engine has files for). JSON-ready."""
+    rows besides pytorch_fp32 and copy_last (default: every row the engine has files for). `workers`:
+    with engine torch, the INT8 rollouts' threads side by side (0: rollout_workers()). JSON-ready."""
     from wm.export.collect import Progress, batches, windows
-    from wm.export.forecast import forecast
+    from wm.export.forecast import TorchGraphs, forecast
     from wm.metrics import ConfusionMatrix, copy_last
 
     out_dir = Path(out_dir)
@@ -199,7 +233,8 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
             if not f.is_file():
                 raise Int8Error(f"{f} does not exist; run the INT8 step (export.py --int8) first")
     only = rows
-    rows = _engines(trained, out_dir, engine, device)
+    workers = max(1, int(workers or rollout_workers()))
+    rows = _engines(trained, out_dir, engine, device, workers)
     if only is not None:
         bad = sorted(set(only) - set(rows) - {"pytorch_fp32"})
         if bad:
@@ -222,42 +257,54 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
     tees = {v: GraphParity(rows[par_src[v]][0], run) for v, run in ort.items()}
     kept = []  # the first parity_windows windows: inputs, the torch rows' forecasts, targets and masks
     prog = Progress("report", len(idx), "windows", log)
-    pool = ThreadPoolExecutor(1) if engine == "torch" else None
+    # with a GPU the INT8 rollouts (onnxruntime on the CPU) run window by window in `workers` threads,
+    # while the GPU computes the other rows of the next batches; batches are scored in order
+    pool = ThreadPoolExecutor(workers) if engine == "torch" else None
     runs = {id(run): run for run, _ in rows.values()}  # rows that share one engine share its rollout
+    cpu_side = {k for k, r in runs.items() if pool and not isinstance(r, TorchGraphs)}
+    pending: deque = deque()
+    ahead = 1 + -(-2 * workers // max(int(batch), 1))  # batches in flight: enough windows for every worker
+
+    def score(occ, target, mask, args, done, later):
+        for k, fs in later.items():
+            got = [f.result() for f in fs]
+            done[k] = (torch.cat([g[0] for g in got]), sum(g[1] for g in got))
+        preds = {}
+        for v, (run, _) in rows.items():
+            preds[v] = done[id(run)][0]
+            secs[v] += done[id(run)][1]
+        preds["copy_last"] = copy_last(occ[:, :P], S)
+        ref = preds["pytorch_fp32"]
+        for v in variants:
+            p = preds[v]
+            if tuple(p.shape) != tuple(target.shape):
+                raise Int8Error(f"{v}: forecast shape {tuple(p.shape)}, expected {tuple(target.shape)}")
+            for i in range(len(p)):
+                cm = ConfusionMatrix(C, free, S)
+                cm.update(p[i:i + 1], target[i:i + 1], None if mask is None else mask[i:i + 1])
+                per_window[v].append(cm.counts)
+            agree[v][0] += int((p == ref).sum())
+            agree[v][1] += p.numel()
+        n = min(len(occ), parity_windows - parity["windows"])
+        if ort and n > 0:  # kept for the parity phase, apart: its CPU minutes would make this ETA no guide
+            kept.append(([a[:n].clone() if a is not None else None for a in args],
+                         {v: preds[par_src[v]][:n].clone() for v in ort}, target[:n].clone(),
+                         None if mask is None else mask[:n].clone()))
+            parity["windows"] += n
+        prog.step(len(occ))
+
     try:
         for b in batches(ds, idx, int(batch)):
             occ, motion = b["occ"], b["motion"]
-            target = occ[:, P:]
-            mask = b["mask"][:, P:] if "mask" in b else None
             args = (occ[:, :P], motion[:, :P], motion[:, P:] if given else None)
-            # with a GPU the INT8 rollouts (onnxruntime on the CPU) run in a thread while the GPU
-            # computes the other rows
-            later = {k: pool.submit(_rollout, r, cfg, args) for k, r in runs.items() if pool and isinstance(r, Mixed)}
+            later = {k: [pool.submit(_rollout, runs[k], cfg, [a[i:i + 1] if a is not None else None for a in args])
+                         for i in range(len(occ))] for k in cpu_side}
             done = {k: _rollout(r, cfg, args) for k, r in runs.items() if k not in later}
-            done.update({k: f.result() for k, f in later.items()})
-            preds = {}
-            for v, (run, _) in rows.items():
-                preds[v] = done[id(run)][0]
-                secs[v] += done[id(run)][1]
-            preds["copy_last"] = copy_last(occ[:, :P], S)
-            ref = preds["pytorch_fp32"]
-            for v in variants:
-                p = preds[v]
-                if tuple(p.shape) != tuple(target.shape):
-                    raise Int8Error(f"{v}: forecast shape {tuple(p.shape)}, expected {tuple(target.shape)}")
-                for i in range(len(p)):
-                    cm = ConfusionMatrix(C, free, S)
-                    cm.update(p[i:i + 1], target[i:i + 1], None if mask is None else mask[i:i + 1])
-                    per_window[v].append(cm.counts)
-                agree[v][0] += int((p == ref).sum())
-                agree[v][1] += p.numel()
-            n = min(len(occ), parity_windows - parity["windows"])
-            if ort and n > 0:  # kept for the parity phase, apart: its CPU minutes would make this ETA no guide
-                kept.append(([a[:n].clone() if a is not None else None for a in args],
-                             {v: preds[par_src[v]][:n].clone() for v in ort}, target[:n].clone(),
-                             None if mask is None else mask[:n].clone()))
-                parity["windows"] += n
-            prog.step(len(occ))
+            pending.append((occ, occ[:, P:], b["mask"][:, P:] if "mask" in b else None, args, done, later))
+            while len(pending) > ahead:
+                score(*pending.popleft())
+        while pending:
+            score(*pending.popleft())
     finally:
         if pool:  # a failed batch leaves no rollout running
             pool.shutdown(cancel_futures=True)
