@@ -55,6 +55,7 @@ def test_export_matches_pytorch_at_batch_1_and_2(cli):
     # --int8-float's default: the tokenizer (encoder and decoder) stays float, the world step is INT8
     q = rep["int8"]
     assert q["calibration"]["kept_float"] == r"tok\."
+    assert q["calibration"]["activation_products"] == "float"  # without --int8-attention
     for g in ("tokenizer_encode", "tokenizer_decode"):
         assert q["graphs"][g]["nodes_quantized"] == 0 and q["graphs"][g]["nodes_float"], g
     assert q["graphs"]["world_step"]["nodes_quantized"] > 0

@@ -75,6 +75,12 @@ def head_nodes(model):
     return out
 
 
+def product_nodes(model):
+    """Matrix products of two activations (attention), by their inputs: neither is an initializer."""
+    f_init = inits(model)
+    return {n.name for n in model.graph.node if n.op_type == "MatMul" and len(data_slots(n, f_init)) == 2}
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -118,9 +124,12 @@ def test_qdq_on_every_quantized_input_and_none_on_float_ops(run, graph):
         if len(n.input) > 2 and n.input[2]:  # bias stays float (onnxruntime may give a shared one a copy)
             assert n.input[2] not in prod and q_init[n.input[2]].dtype == np.float32
             assert np.array_equal(q_init[n.input[2]], f_init[o.input[2]])
-    assert float_nodes == heads  # exactly the heads stay float
+    products = product_nodes(fp32)
+    assert products or graph != "world_step"  # its attention
+    assert float_nodes == heads | products  # exactly the heads and the attention's products stay float
     rep = run.res["int8"]["graphs"][graph]
-    assert set(rep["nodes_float"]) == heads and rep["nodes_quantized"] == len(quantized) > 0
+    assert set(rep["nodes_float"]) == heads | products and rep["nodes_quantized"] == len(quantized) > 0
+    assert all(rep["nodes_float"][n] == "product of two activations (attention)" for n in products - heads)
     kinds = {orig[n].op_type for n in quantized}
     assert {"Conv", "MatMul"} <= kinds and ("ConvTranspose" in kinds or graph != "world_step")
     # no Q/DQ feeds anything else: every DQ output is read by quantized nodes only; no float op
@@ -193,7 +202,8 @@ def test_data_ranged_tensors_take_their_exact_max(run):
     """Table lookups (class embedding in front of the encoder, codebook in front of the decoder), the
     ego-motion inputs of the pose MLP and the attention weights (Softmax outputs, in [0, 1]) are
     found from the graph alone, and only they are left out of the entropy search: their threshold
-    is their exact max."""
+    is their exact max. The attention weights feed only products of two activations, float by
+    default, so they are not calibrated at all here (test_attention_products_...)."""
     tok = run.trained.tokenizer
     want = {"tokenizer_encode": ({"rows of table tok.class_embed.weight"}, 0),
             "tokenizer_decode": ({"rows of table tok.quantizer.codebook.weight"}, 0),
@@ -209,10 +219,12 @@ def test_data_ranged_tensors_take_their_exact_max(run):
         assert set(found.values()) - {found[t] for t in softmax} == reasons, graph
         assert sum(r.startswith("values of input") for r in found.values()) == motion_tensors, graph
         detail = json.loads((run.out / f"{graph}.calib.json").read_text())["tensors"]
+        calibrated = {t: why for t, why in found.items() if t not in softmax}
+        assert not softmax & set(detail), graph
         assert {t: d["rule"] for t, d in detail.items() if d["rule"] != "entropy"} == \
-            {t: f"max ({why})" for t, why in found.items()}, graph
-        assert run.res["int8"]["graphs"][graph]["exact_range_at_max"] == found
-        for t in found:
+            {t: f"max ({why})" for t, why in calibrated.items()}, graph
+        assert run.res["int8"]["graphs"][graph]["exact_range_at_max"] == calibrated
+        for t in calibrated:
             assert detail[t]["amax"] == detail[t]["max"] > 0
     # the encoder-input threshold is the largest |value| of the class vectors the frames use
     enc = json.loads((run.out / "tokenizer_encode.calib.json").read_text())["tensors"]
@@ -220,6 +232,34 @@ def test_data_ranged_tensors_take_their_exact_max(run):
     w = tok.class_embed.weight.detach().abs()
     free = run.trained.cfg.data.free_class
     assert float(w[free].max()) <= enc[t]["amax"] + 1e-6 and enc[t]["amax"] <= float(w.max()) + 1e-6
+
+
+def test_attention_products_stay_float_unless_asked(run, tmp_path):
+    """By default the products of two activations (the attention's Q Kt and A V) read no Q/DQ and
+    their inputs are not calibrated; with products=True (export.py --int8-attention) they read Q/DQ
+    on both inputs, and the attention weights among those take their exact max, at most 1."""
+    g = "world_step"
+    m = onnx.load(str(run.out / f"{g}.onnx"))
+    products, heads, prod = product_nodes(m) - head_nodes(m), head_nodes(m), producers(m)
+    assert products and set(I.activation_products(m)) - heads == products
+    assert run.res["int8"]["calibration"]["activation_products"] == "float"
+    softmax = {t for t in I.quantizable_inputs(m) if t in prod and prod[t].op_type == "Softmax"}
+    assert softmax and all(n in products for t in softmax for n in I.quantizable_inputs(m)[t])
+    for name in I.GRAPH_NAMES:
+        shutil.copy(run.out / f"{name}.onnx", tmp_path / f"{name}.onnx")
+    res = I.int8_export(run.trained, tmp_path, 4, engine="onnxruntime", products=True, log=lambda s: None)
+    assert res["calibration"]["activation_products"] == "int8"
+    for kind in (".int8", ".int8-ort"):
+        q = onnx.load(str(tmp_path / f"{g}{kind}.onnx"))
+        qprod = producers(q)
+        for n in q.graph.node:
+            if n.name in products:
+                assert all(qprod[t].op_type == "DequantizeLinear" for t in n.input[:2]), (kind, n.name)
+    detail = json.loads((tmp_path / f"{g}.calib.json").read_text())["tensors"]
+    for t in softmax:
+        assert detail[t]["rule"] == f"max (probabilities of {prod[t].name})", t
+        assert 0 < detail[t]["amax"] == detail[t]["max"] <= 1.0 + 1e-6, t
+    assert res["graphs"][g]["nodes_quantized"] == run.res["int8"]["graphs"][g]["nodes_quantized"] + len(products)
 
 
 def test_no_weight_is_calibrated_as_an_activation(run):
@@ -400,7 +440,7 @@ def test_int8_float_keeps_the_matching_nodes_float_and_refuses_a_bad_pattern(run
     expression, or matches nothing, is one line before any calibration."""
     import shutil
 
-    from wm.export.qdq import _scope
+    from wm.export.quantizable import _scope
 
     for g in I.GRAPH_NAMES:
         shutil.copy(run.out / f"{g}.onnx", tmp_path / f"{g}.onnx")
@@ -615,7 +655,10 @@ def test_quantize_qdq_keeps_float_consumers_float(tmp_path):
         eng("small", torch.from_numpy(f["x"]))
     assert set(col.names()) == {"x", "a", "b", "ct", "p"}  # data inputs of Conv/MatMul; no weights
     th = {k: entropy_threshold(*col.histogram(k)) for k in col.names()}
-    info = I.quantize_qdq(src, dst, th)
+    info = I.quantize_qdq(src, dst, th)  # by default mm1, a product of two activations, stays float
+    assert info["float_nodes"]["mm1"] == "product of two activations (attention)"
+    assert set(info["quantized_nodes"]) == {"conv1", "conv2"}
+    info = I.quantize_qdq(src, dst, th, exclude_products=False)
     # mm2 produces the values the ArgMax decides on: an output head, float; mm1 reads b, ct (quantized)
     assert set(info["float_nodes"]) == {"mm2", "head"} and set(info["quantized_nodes"]) == {"conv1", "conv2", "mm1"}
     q = onnx.load(str(dst))
@@ -633,7 +676,7 @@ def test_quantize_qdq_keeps_float_consumers_float(tmp_path):
     assert {n.input[0] for n in q.graph.node if n.op_type == "QuantizeLinear"} == {"x", "a", "b", "ct"}
     # a tensor without a threshold leaves its consumer in float, and the result still runs
     th.pop("ct")
-    info = I.quantize_qdq(src, dst, th)
+    info = I.quantize_qdq(src, dst, th, exclude_products=False)
     assert "mm1" in info["float_nodes"] and "no calibrated range" in info["float_nodes"]["mm1"]
     import onnxruntime as ort
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from wm.export.calib import NUM_BINS, HistogramCollector
-from wm.export.qdq import Int8Error
+from wm.export.quantizable import Int8Error
 from wm.logs import Progress
 
 _CHUNK = 1 << 25  # values binned at once (bounds the int64 index temporary: 256 MiB)
@@ -199,7 +199,7 @@ class TappedOrt:
             import onnx
             import onnxruntime as ort
 
-            from wm.export.qdq import _elem_types, _load
+            from wm.export.quantizable import _elem_types, _load
 
             model = _load(self.files[name])
             n_out = len(model.graph.output)

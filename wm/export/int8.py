@@ -44,14 +44,15 @@ import numpy as np
 from wm.atomic import write_bytes
 from wm.export.calib import threshold_job, trt_version_number, write_cache
 from wm.export.collect import TappedOrt, collect, windows
-from wm.export.qdq import (FLOAT_OP_TYPES, HEAD_SCOPES, QUANT_OP_TYPES, Int8Error, _load,  # noqa: F401
-                           _scope, cpu_copy, exact_range_tensors, output_heads, qdq_scales, quantizable_inputs,
-                           quantize_qdq)
+from wm.export.qdq import cpu_copy, qdq_scales, quantize_qdq  # noqa: F401
+from wm.export.quantizable import (FLOAT_OP_TYPES, HEAD_SCOPES, QUANT_OP_TYPES, Int8Error, _load,  # noqa: F401
+                                   _scope, activation_products, exact_range_tensors, output_heads,
+                                   quantizable_inputs)
 from wm.export.report import CPU_INT8, GRAPHS as GRAPH_NAMES, accuracy_report, format_report, graph_files  # noqa: F401
 
 
 __all__ = ["FLOAT_OP_TYPES", "HEAD_SCOPES", "QUANT_OP_TYPES", "GRAPH_NAMES", "Int8Error", "quantizable_inputs",
-           "exact_range_tensors", "output_heads", "quantize_qdq", "qdq_scales", "int8_export", "accuracy_report",
+           "exact_range_tensors", "output_heads", "activation_products", "quantize_qdq", "qdq_scales", "int8_export", "accuracy_report",
            "format_report", "check_windows", "pick_engine", "run_int8"]
 
 
@@ -152,7 +153,7 @@ def pick_engine(engine: str = "auto", phase: str = "report") -> tuple[str, str]:
 
 def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_version: str = "10.3.0",
                 root=None, split: Optional[str] = None, method: str = "entropy",
-                exclude_scopes: Optional[str] = None, workers: int = 0, engine: str = "auto",
+                exclude_scopes: Optional[str] = None, products: bool = False, workers: int = 0, engine: str = "auto",
                 programs: Optional[Mapping] = None, log: Callable[[str], None] = print,
                 mark: Optional[Callable[[str], object]] = None,
                 first_window: Optional[Callable[[int, float], None]] = None) -> dict:
@@ -166,7 +167,8 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
     method. Returns a JSON-ready dict of what was written, with the seconds of each phase.
 
     `exclude_scopes`: a regex on module paths (e.g. r"\\.temporal\\.") whose Conv/MatMul nodes stay
-    float as well. `workers`: processes for the threshold search (0: one per CPU, at most 16).
+    float as well. `products`: quantize the products of two activations (attention) too; by default
+    they stay float (qdq.activation_products). `workers`: processes for the threshold search (0: one per CPU, at most 16).
     `mark(phase)` is called at the end of each phase (export.py's per-phase memory peaks);
     `first_window(windows, seconds per window)` once the first calibration batch has run."""
     out_dir = Path(out_dir)
@@ -188,8 +190,9 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
     models = {g: _load(out_dir / f"{g}.onnx") for g in GRAPH_NAMES}
     kept = kept_float(models, exclude_scopes)  # before the calibration's minutes: a wrong pattern is one line
     tensors = {g: quantizable_inputs(m) for g, m in models.items()}
-    heads = {g: output_heads(m) for g, m in models.items()}
-    wanted = {g: [t for t, users in tensors[g].items() if any(u not in heads[g] for u in users)] for g in GRAPH_NAMES}
+    floats = {g: {*output_heads(m), *kept[g], *(() if products else activation_products(m))} for g, m in models.items()}
+    # only the inputs of nodes that will be quantized are calibrated
+    wanted = {g: [t for t, users in tensors[g].items() if any(u not in floats[g] for u in users)] for g in GRAPH_NAMES}
     ds, idx, _ = windows(trained, root, split, calib_windows, "--calib-windows", log)
     if engine == "torch":
         from wm.export.forecast import ProgramGraphs
@@ -223,7 +226,8 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
                            "algorithm": "TensorRT EntropyCalibrator2 (pytorch-quantization _compute_amax_entropy)"
                            if method == "entropy" else method,
                            "trt_version": str(trt_version), "cache_header": f"TRT-{version}-EntropyCalibration2",
-                           "kept_float": exclude_scopes or None},
+                           "kept_float": exclude_scopes or None,
+                           "activation_products": "int8" if products else "float"},
            "graphs": {}, "seconds": {"histograms": round(t_hist, 2)}}
     t_thr = t_qdq = 0.0
     for g in GRAPH_NAMES:
@@ -239,7 +243,8 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
             thresholds.update({t: col.amax(t) for t in exact})
         t3 = time.perf_counter()
         mark("int8_thresholds")
-        info = quantize_qdq(out_dir / f"{g}.onnx", out_dir / f"{g}.int8.onnx", thresholds, nodes_to_exclude=kept[g])
+        info = quantize_qdq(out_dir / f"{g}.onnx", out_dir / f"{g}.int8.onnx", thresholds, nodes_to_exclude=kept[g],
+                            exclude_products=not products)
         converted = cpu_copy(out_dir / f"{g}.int8.onnx", out_dir / f"{g}{CPU_INT8}.onnx")
         scales = info["scales"]
         cache = out_dir / f"{g}.calib.cache"

@@ -1,17 +1,15 @@
-"""Q/DQ graph work: which tensors an INT8 graph quantizes, which nodes stay float, and the Q/DQ ONNX
-itself (docs/ARCHITECTURE.md).
+"""The Q/DQ ONNX of a float graph, with the nodes and tensors wm.export.quantizable chose
+(docs/ARCHITECTURE.md).
 
-- :func:`quantizable_inputs`: every float tensor that feeds a Conv/ConvTranspose/MatMul/Gemm as a
-  data input; :func:`output_heads`: the nodes that stay float because their values are the answer;
-  :func:`exact_range_tensors`: the inputs whose range is the data's (they take their exact max).
 - :func:`quantize_qdq`: onnxruntime's Q/DQ quantizer (``quantize_static``'s, without its calibration
-  run) does the graph work with
-  every activation scale given as a ``TensorQuantOverrides`` override; weights per-channel
-  symmetric int8 (its own min/max), bias left float; Softmax, normalisation, Gather/embeddings,
-  Einsum, the output heads and every other op stay float: only the data inputs of the quantized
-  Conv/ConvTranspose/MatMul/Gemm nodes carry a QuantizeLinear -> DequantizeLinear pair (one pair
-  per consuming node, as TensorRT wants). The written graph is re-read and checked: each scale
-  must equal ours bit for bit (float32), and no float op may read a dequantized tensor.
+  run) does the graph work with every activation scale given as a ``TensorQuantOverrides``
+  override; weights per-channel symmetric int8 (its own min/max), bias left float; Softmax,
+  normalisation, Gather/embeddings, Einsum, the output heads, the products of two activations and
+  every other op stay float: only the data inputs of the quantized Conv/ConvTranspose/MatMul/Gemm
+  nodes carry a QuantizeLinear -> DequantizeLinear pair (one pair per consuming node, as TensorRT
+  wants). The written graph is re-read and checked: each scale must equal ours bit for bit
+  (float32), and no float op may read a dequantized tensor.
+- :func:`cpu_copy`: onnxruntime's copy of a Q/DQ graph, its int8 tensors held as uint8.
 
 onnxruntime's override format (read in onnxruntime 1.32 ``quantization/tensor_quant_overrides.py``,
 ``qdq_quantizer.py`` ``calc_quant_params``, ``base_quantizer.py`` ``QuantizationParams``, and tried):
@@ -35,253 +33,20 @@ import contextlib
 import logging
 import math
 import os
-import re
-from collections.abc import Iterable, Sequence, Mapping
+from collections.abc import Sequence, Mapping
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
 from wm.errors import WMError
 from wm.export.calib import scale_from_amax
 from wm.export.onnx import save_checked
-
-QUANT_OP_TYPES = ("Conv", "ConvTranspose", "MatMul", "Gemm")
-# Ops that stay float (never read a dequantized tensor). Only QUANT_OP_TYPES are quantized at all and
-# the result is checked for EVERY other node; this list is removed from op_types where they overlap.
-FLOAT_OP_TYPES = ("Softmax", "LogSoftmax", "GroupNormalization", "LayerNormalization",
-                  "InstanceNormalization", "BatchNormalization", "RMSNormalization", "ReduceMean",
-                  "Gather", "GatherElements", "GatherND", "Einsum", "ArgMax", "ArgMin", "TopK")
-# Ops where a decision is taken from float values: a quantized node from which one of these (or a
-# graph output) is reachable without passing another quantized node is an output head.
-_DECISION_OPS = ("ArgMax", "ArgMin", "TopK")
-# Heads by module path (the exporter's name scopes): what no reachability rule sees, e.g. the
-# world model's motion head, which feeds the next rollout step's pose MLP.
-HEAD_SCOPES = r"(^|\.)(out_conv|motion_head|dec_out|enc_out)(\.|$)"
-_FLOAT_TYPES = (1, 10, 11, 16)  # onnx.TensorProto FLOAT, FLOAT16, DOUBLE, BFLOAT16
-# Ops that only move values: a tensor seen through them after a table lookup is still the table's rows.
-_VIEW_OPS = ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity")
-
-
-class Int8Error(WMError):
-    """A calibration or Q/DQ step that cannot go ahead; str(e) is one line."""
-
-
-def _one_line(e: BaseException) -> str:
-    s = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {s[0][:300] if s else ''}"
-
-
-def _load(path_or_model):
-    import onnx
-
-    if isinstance(path_or_model, onnx.ModelProto):
-        return path_or_model
-    path = Path(path_or_model)
-    if not path.is_file():
-        raise Int8Error(f"ONNX model {path} does not exist; run the FP32 export first (python export.py)")
-    try:
-        return onnx.load(str(path))
-    except Exception as e:  # a truncated or foreign file
-        raise Int8Error(f"cannot read ONNX model {path}: {_one_line(e)}") from None
-
+from wm.export.quantizable import (FLOAT_OP_TYPES, QUANT_OP_TYPES, Int8Error, _data_input_slots, _load,
+                                   _one_line, activation_products, output_heads, quantizable_inputs)
 
 
 # ---------------------------------------------------------------------------------------------
-# graph inspection
-
-
-def _data_input_slots(node) -> tuple[int, ...]:
-    """Which inputs of a node are data (activations) rather than weights/bias."""
-    if node.op_type in ("Conv", "ConvTranspose"):
-        return (0,)
-    if node.op_type in ("MatMul", "Gemm"):
-        return (0, 1)  # Gemm's C is a bias
-    return tuple(range(len(node.input)))
-
-
-def _constants(model) -> set[str]:
-    out = {i.name for i in model.graph.initializer}
-    out |= {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
-    return out
-
-
-def _elem_types(model) -> dict[str, int]:
-    """tensor name -> onnx elem_type, from the graph's inputs/outputs/value_info after shape inference."""
-    import onnx
-
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=False)
-    except Exception:  # inference is best effort; unknown tensors are skipped
-        inferred = model
-    types = {}
-    for vi in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
-        t = vi.type.tensor_type.elem_type if vi.type.HasField("tensor_type") else 0
-        if t:
-            types[vi.name] = t
-    for init in inferred.graph.initializer:
-        types[init.name] = init.data_type
-    return types
-
-
-def quantizable_inputs(model, op_types: Sequence[str] = QUANT_OP_TYPES) -> dict[str, list[str]]:
-    """{tensor name: [names of the op_types nodes it feeds as a data input]} for every float tensor
-    that is not an initializer/Constant, in graph order. Tensors of non-float (or unknown) type are
-    left out."""
-    model = _load(model)
-    const, types = _constants(model), _elem_types(model)
-    out: dict[str, list[str]] = {}
-    for node in model.graph.node:
-        if node.op_type not in op_types:
-            continue
-        for i in _data_input_slots(node):
-            if i >= len(node.input):
-                continue
-            name = node.input[i]
-            if not name or name in const or types.get(name) not in _FLOAT_TYPES:
-                continue
-            out.setdefault(name, [])
-            if node.name not in out[name]:
-                out[name].append(node.name)
-    return out
-
-
-def exact_range_tensors(model, tensors: Optional[Iterable[str]] = None) -> dict[str, str]:
-    """{tensor: why} for the quantized inputs whose range is the data's, not a learned activation's;
-    int8_export gives them their exact max instead of an entropy cut-off:
-
-    - rows of a constant table: a Gather whose data is an initializer/Constant, seen through view
-      ops only (the tokenizer's class embedding, the codebook lookup in front of the decoder). A few
-      exact values (18 class vectors), not a continuous distribution: the entropy search cuts off
-      whole rows (demo run: the class embedding's threshold came out at 0.19 of its max, every voxel
-      of the clipped classes got a wrong vector, and the forecast lost 10 IoU points);
-    - values of the graph's inputs, reached through no Conv/MatMul/Gemm (the ego motion, scaled and
-      stacked, in front of the pose MLP at every rollout step). Their tails are measurements, and
-      the informative part: a clipped displacement makes a fast ego look slow (demo run: threshold
-      at 0.41 of the max, the forecast lost a further 0.7 IoU points on the last steps);
-    - outputs of a Softmax (attention weights), seen through view ops: probabilities, whose range is
-      [0, 1] by construction. Most of them are near 0, so an entropy cut-off lands far below the
-      largest weight and saturates every sharp one: the attention the world model forecasts with.
-
-    `tensors`: the quantizable inputs when the caller has them (:func:`quantizable_inputs` runs shape
-    inference over the whole graph)."""
-    model = _load(model)
-    const = _constants(model)
-    producer = {o: n for n in model.graph.node for o in n.output}
-    inputs = {i.name for i in model.graph.input} - const
-    out: dict[str, str] = {}
-    sources: dict[str, Optional[frozenset]] = {}  # tensor -> graph inputs it derives from; None: learned
-
-    def origin(t: str) -> Optional[frozenset]:
-        # iterative post-order walk (graphs are thousands of nodes deep: no recursion)
-        stack = [t]
-        while stack:
-            x = stack[-1]
-            if x in sources:
-                stack.pop()
-                continue
-            n = producer.get(x)
-            if n is None:
-                sources[x] = frozenset([x]) if x in inputs else frozenset()
-                stack.pop()
-                continue
-            if n.op_type in QUANT_OP_TYPES:
-                sources[x] = None
-                stack.pop()
-                continue
-            todo = [i for i in n.input if i and i not in sources]
-            if todo:
-                stack.extend(todo)
-                continue
-            parts = [sources[i] for i in n.input if i]
-            sources[x] = None if any(p is None for p in parts) else frozenset().union(*parts)
-            stack.pop()
-        return sources[t]
-
-    for t in (quantizable_inputs(model) if tensors is None else tensors):
-        x = t
-        while x in producer and producer[x].op_type in _VIEW_OPS:
-            x = producer[x].input[0]
-        n = producer.get(x)
-        if n is not None and n.op_type == "Gather" and n.input and n.input[0] in const:
-            out[t] = f"rows of table {n.input[0]}"
-            continue
-        if n is not None and n.op_type == "Softmax":
-            out[t] = f"probabilities of {n.name or 'a Softmax'}"
-            continue
-        src = origin(t)
-        if src:
-            out[t] = f"values of input {', '.join(sorted(src))}"
-    return out
-
-
-def _scope(node) -> str:
-    """The deepest module path the exporter recorded for a node ('' if none): the name scopes are
-    ['', 'world.motion_head', 'world.motion_head.1', 'linear_3'], the last entry being the op."""
-    import ast
-
-    for p in node.metadata_props:
-        if p.key == "pkg.torch.onnx.name_scopes":
-            try:
-                scopes = ast.literal_eval(p.value)
-            except (ValueError, SyntaxError):
-                return ""
-            mods = [s for s in scopes[:-1] if isinstance(s, str) and s]
-            return mods[-1] if mods else ""
-    return ""
-
-
-def output_heads(model, op_types: Sequence[str] = QUANT_OP_TYPES,
-                 head_scopes: Optional[str] = HEAD_SCOPES) -> dict[str, str]:
-    """{node name: why} of the op_types nodes that are output heads and stay float:
-
-    - a node from whose output a graph output, or a decision op (ArgMax/ArgMin/TopK), is reachable
-      without passing through another op_types node (the layer whose values are the answer: the
-      tokenizer's dec_out before the class-embedding Einsum, the world model's out_conv before
-      its argmax, the encoder's enc_out and codebook-distance Gemm before the nearest-code argmin);
-    - a node whose module path (exporter name scope) matches `head_scopes` (e.g. the world model's
-      motion head, whose output feeds the next rollout step)."""
-    model = _load(model)
-    g = model.graph
-    consumers: dict[str, list] = {}
-    for n in g.node:
-        for t in n.input:
-            consumers.setdefault(t, []).append(n)
-    outputs = {o.name for o in g.output}
-    heads: dict[str, str] = {}
-    pat = re.compile(head_scopes) if head_scopes else None
-    for n in g.node:
-        if n.op_type not in op_types:
-            continue
-        if pat is not None:
-            sc = _scope(n)
-            if sc and pat.search(sc):
-                heads[n.name] = f"output head ({sc})"
-                continue
-        seen, stack, why = set(), list(n.output), None
-        while stack and why is None:
-            t = stack.pop()
-            if t in seen:
-                continue
-            seen.add(t)
-            if t in outputs:
-                why = f"output head (feeds graph output {t!r})"
-                break
-            for c in consumers.get(t, []):
-                if c.op_type in op_types:
-                    continue
-                if c.op_type in _DECISION_OPS:
-                    why = f"output head (feeds {c.op_type} {c.name!r})"
-                    break
-                stack.extend(c.output)
-        if why:
-            heads[n.name] = why
-    return heads
-
-
-
-# ---------------------------------------------------------------------------------------------
-# 3. Q/DQ graph
+# the Q/DQ graph
 
 
 def _float_consumers_back(model, original, quantized_nodes: set[str]) -> int:
@@ -382,13 +147,15 @@ def qdq_scales(model) -> dict[str, dict]:
 def quantize_qdq(onnx_path, out_path, thresholds: Mapping[str, float],
                  exclude_op_types: Sequence[str] = FLOAT_OP_TYPES,
                  op_types: Sequence[str] = QUANT_OP_TYPES,
-                 nodes_to_exclude: Sequence[str] = (), exclude_heads: bool = True) -> dict:
+                 nodes_to_exclude: Sequence[str] = (), exclude_heads: bool = True,
+                 exclude_products: bool = True) -> dict:
     """Write a Q/DQ ONNX of `onnx_path` to `out_path` with OUR activation scales.
 
     Activations: per-tensor symmetric int8, scale = thresholds[name] / 127, zero point 0, for every
     data input of every `op_types` node that is quantized. Weights: per-channel symmetric int8.
     Bias: float. Stay float (no Q/DQ on any of their inputs): `exclude_op_types` and every other
-    op, the output heads (:func:`output_heads`, if `exclude_heads`), `nodes_to_exclude`, and any
+    op, the output heads (:func:`output_heads`, if `exclude_heads`), the products of two activations
+    (:func:`activation_products`, if `exclude_products`), `nodes_to_exclude`, and any
     op_types node with a data input that has no positive finite threshold. onnxruntime's
     quantizer does the graph work (:func:`_ort_qdq`); the result is re-read and checked (scales equal ours as
     float32, no float op reads a DQ output), checked with onnx.checker and written atomically.
@@ -406,6 +173,9 @@ def quantize_qdq(onnx_path, out_path, thresholds: Mapping[str, float],
     float_nodes: dict[str, str] = {}
     if exclude_heads:
         float_nodes.update(output_heads(model, op_types))
+    if exclude_products:
+        for name, why in activation_products(model, op_types).items():
+            float_nodes.setdefault(name, why)
     for name in nodes_to_exclude:
         float_nodes.setdefault(name, "excluded by the caller")
     node_inputs: dict[str, list[str]] = {}

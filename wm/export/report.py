@@ -54,7 +54,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from wm.export.qdq import Int8Error
+from wm.export.quantizable import Int8Error
 
 VARIANTS = ("pytorch_fp32", "onnx_fp32", "onnx_fp16", "onnx_int8", "onnx_int8_ort", "int8_tokenizer", "int8_world",
             "copy_last")
@@ -158,7 +158,8 @@ def _engines(trained, out_dir: Path, engine: str, device, workers: int = 1) -> d
     INT8 files' rollouts are PerThread, for `workers` threads side by side."""
     from wm.export.forecast import TorchGraphs
     from wm.export.onnx import graphs
-    from wm.export.qdq import _load, same_values
+    from wm.export.qdq import same_values
+    from wm.export.quantizable import _load
 
     files = {row: graph_files(out_dir, kind) for row, (kind, _) in ROW_FILES.items()}
     dev = torch.device(device)
