@@ -7,7 +7,8 @@ TensorRT's EntropyCalibrator2) and handed to TensorRT in the graph itself:
 
 1. ``wm.export.collect``: real windows of the run's TRAINING split, evenly spread across its scenes,
    streamed through the three graphs; the 2048-bin |x| histogram of every float tensor that feeds a
-   Conv/ConvTranspose/MatMul/Gemm as a data input. By default the exported programs run node by
+   Conv/ConvTranspose/MatMul/Gemm that will be quantized (``wm.export.quantizable``: not an output
+   head, not a product of two activations) as a data input. By default the exported programs run node by
    node in PyTorch (on the GPU where there is one), so memory stays one forward pass; onnxruntime
    is the fallback (``engine="onnxruntime"``).
 2. Entropy thresholds (amax) -> scale = amax / 127, zero point 0; except where the range is the
@@ -52,8 +53,8 @@ from wm.export.report import CPU_INT8, GRAPHS as GRAPH_NAMES, accuracy_report, f
 
 
 __all__ = ["FLOAT_OP_TYPES", "HEAD_SCOPES", "QUANT_OP_TYPES", "GRAPH_NAMES", "Int8Error", "quantizable_inputs",
-           "exact_range_tensors", "output_heads", "activation_products", "quantize_qdq", "qdq_scales", "int8_export", "accuracy_report",
-           "format_report", "check_windows", "pick_engine", "run_int8"]
+           "exact_range_tensors", "output_heads", "activation_products", "quantize_qdq", "qdq_scales", "int8_export",
+           "accuracy_report", "format_report", "check_windows", "pick_engine", "run_int8"]
 
 
 def _write_json(path: Path, obj) -> None:
@@ -153,7 +154,8 @@ def pick_engine(engine: str = "auto", phase: str = "report") -> tuple[str, str]:
 
 def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_version: str = "10.3.0",
                 root=None, split: Optional[str] = None, method: str = "entropy",
-                exclude_scopes: Optional[str] = None, products: bool = False, workers: int = 0, engine: str = "auto",
+                exclude_scopes: Optional[str] = None, products: bool = False, workers: int = 0,
+                engine: str = "auto",
                 programs: Optional[Mapping] = None, log: Callable[[str], None] = print,
                 mark: Optional[Callable[[str], object]] = None,
                 first_window: Optional[Callable[[int, float], None]] = None) -> dict:
@@ -168,7 +170,8 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
 
     `exclude_scopes`: a regex on module paths (e.g. r"\\.temporal\\.") whose Conv/MatMul nodes stay
     float as well. `products`: quantize the products of two activations (attention) too; by default
-    they stay float (qdq.activation_products). `workers`: processes for the threshold search (0: one per CPU, at most 16).
+    they stay float (quantizable.activation_products). `workers`: processes for the threshold search
+    (0: one per CPU, at most 16).
     `mark(phase)` is called at the end of each phase (export.py's per-phase memory peaks);
     `first_window(windows, seconds per window)` once the first calibration batch has run."""
     out_dir = Path(out_dir)
