@@ -173,10 +173,7 @@ def exact_range_tensors(model, tensors: Optional[Iterable[str]] = None) -> dict[
         return sources[t]
 
     for t in (quantizable_inputs(model) if tensors is None else tensors):
-        x = t
-        while x in producer and producer[x].op_type in _VIEW_OPS:
-            x = producer[x].input[0]
-        n = producer.get(x)
+        n = producer.get(_through(t, producer, _VIEW_OPS))
         if n is not None and n.op_type == "Gather" and n.input and n.input[0] in const:
             out[t] = f"rows of table {n.input[0]}"
             continue
@@ -187,6 +184,13 @@ def exact_range_tensors(model, tensors: Optional[Iterable[str]] = None) -> dict[
         if src:
             out[t] = f"values of input {', '.join(sorted(src))}"
     return out
+
+
+def _through(t: str, producer: dict, ops: Sequence[str]) -> str:
+    """The tensor `t` is a view of: followed back through producers of the `ops` kinds."""
+    while t in producer and producer[t].op_type in ops:
+        t = producer[t].input[0]
+    return t
 
 
 def _scope(node) -> str:
@@ -263,15 +267,9 @@ def activation_products(model, op_types: Sequence[str] = QUANT_OP_TYPES) -> dict
     model = _load(model)
     const = _constants(model)
     producer = {o: n for n in model.graph.node for o in n.output}
-
-    def weight(t: str) -> bool:
-        while t in producer and producer[t].op_type in (*_VIEW_OPS, "Cast"):
-            t = producer[t].input[0]
-        return t in const
-
     out: dict[str, str] = {}
     for n in model.graph.node:
-        if n.op_type in ("MatMul", "Gemm") and n.op_type in op_types and n.input[:2] and \
-                not any(weight(t) for t in n.input[:2] if t):
+        if n.op_type in ("MatMul", "Gemm") and n.op_type in op_types and \
+                not any(_through(t, producer, (*_VIEW_OPS, "Cast")) in const for t in n.input[:2] if t):
             out[n.name] = "product of two activations (attention)"
     return out
