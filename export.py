@@ -111,8 +111,8 @@ def export(argv, progress: dict) -> int:
 
     import torch
 
-    from wm.export.onnx import (OUTPUTS, compare, dynamic_shapes, example_inputs, export_graph, find_run, graphs,
-                                load_trained)
+    from wm.export.onnx import (OUTPUTS, WORLD_DIMS, compare, dynamic_shapes, example_inputs, export_graph, find_run,
+                                graphs, load_trained, world_profile)
 
     t_start = time.perf_counter()
     torch.set_grad_enabled(False)
@@ -155,7 +155,7 @@ def export(argv, progress: dict) -> int:
         s, programs[name] = export_graph(module, ex[2][name], OUTPUTS[name], path,
                                          dynamic_shapes(t, name, ex[2][name], a.max_batch))
         r = {"file": path.name, "bytes": path.stat().st_size, "export_s": round(s, 1),
-             "inputs": {k: [str(v.dtype).replace("torch.", ""), ["batch", *(["frames"] if name == "world_step" else []),
+             "inputs": {k: [str(v.dtype).replace("torch.", ""), ["batch", *([WORLD_DIMS[k]] if name == "world_step" else []),
                                                                  *v.shape[1 + (name == "world_step"):]]]
                         for k, v in ex[1][name].items()},
              "vs_pytorch": {f"batch{b}": compare(module, path, ex[b][name]) for b in (1, 2)}}
@@ -211,7 +211,7 @@ def export(argv, progress: dict) -> int:
         feeds = {name: {k: v.numpy() for k, v in ex[2][name].items()} for name in files}
         c = t.cfg
         report["tensorrt"] = deploy(files, feeds, max_batch=a.max_batch, opt_batch=1,
-                                    dims={"frames": (2, c.data.past, c.world.max_frames)})
+                                    dims=world_profile(c))
         secs["tensorrt"] = round(time.perf_counter() - t0, 2)
         peaks.mark("tensorrt")
     secs["total"] = round(time.perf_counter() - t_start, 2)

@@ -29,7 +29,7 @@ def cli(tiny_export):
     return tiny_export
 
 
-def test_export_matches_pytorch_at_batch_1_and_2(cli):
+def test_export_matches_pytorch_at_batch_1_and_2(trained, cli):
     p, tmp_path = cli.p, cli.out
     assert p.returncode == 0, p.stderr[-3000:]
     rep = json.loads((tmp_path / "export.json").read_text())
@@ -40,12 +40,16 @@ def test_export_matches_pytorch_at_batch_1_and_2(cli):
         onnx.checker.check_model(str(tmp_path / g["file"]), full_check=True)
         assert (tmp_path / g["fp16"]["file"]).is_file() and g["fp16"]["vs_pytorch"]["batch2"]["class_agreement"] > 0.9
     assert rep["graphs"]["tokenizer_decode"]["vs_pytorch"]["batch2"]["max_abs_diff"] < 1e-3
-    # the step graph's interface: codes and motion of the frames so far, frames and batch dynamic
+    # the step graph's interface: the new frames' codes, every frame's motion, the key/value cache;
+    # the batch and the three frame counts dynamic, the cache row as wide as the model's layers need
     m = onnx.load(str(tmp_path / "world_step.onnx"), load_external_data=False)
     ins = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in m.graph.input}
     outs = {o.name: [d.dim_param or d.dim_value for d in o.type.tensor_type.shape.dim] for o in m.graph.output}
-    assert ins == {"codes": ["batch", "frames", 4, 4], "motion": ["batch", "frames", 3]}
+    F = load_trained(trained.run_dir()).world.kv_width(4, 4)
+    assert ins == {"codes": ["batch", "new", 4, 4], "motion": ["batch", "frames", 3], "kv": ["batch", "slots", F]}
     assert outs["next_codes"][1:] == [4, 4] and outs["next_motion"][1:] == [3]
+    assert outs["new_kv"][0] == "batch" and outs["new_kv"][2] == F
+    assert rep["graphs"]["world_step"]["inputs"]["kv"] == ["float32", ["batch", "slots", F]]
     assert set(rep["seconds"]) >= {"export_fp32_fp16", "total"} and rep["memory"]["host_peak_gib"] > 0
     phases = rep["memory"]["phase_peak_gib"]
     assert set(phases) >= {f"{k}_{g}" for k in ("export", "fp16") for g in ("tokenizer_encode", "world_step",

@@ -638,18 +638,22 @@ def test_deploy_builds_runs_compares_by_name_and_times(trt, runnable_onnx):
 
 def test_export_cli_without_tensorrt_prints_the_trtexec_line_of_each_graph(tiny_export):
     """The tiny run: 16x16x4 grids, 4x4 codes, data.past 2, world.max_frames 16; export.py's
-    --max-batch 64 and opt batch 1. world_step's frames axis takes 2 / past / max_frames. The
-    tokenizer's graphs, left float by --int8-float's default, build from their FP16 files."""
+    --max-batch 64 and opt batch 1. world_step's axes: new frames 1 / 1 / max_frames (the steps
+    after the first run one), frames so far and cache slots 1 / past + future - 1 (a whole
+    forecast: 3) / max_frames; the cache rows F wide. The tokenizer's graphs, left float by
+    --int8-float's default, build from their FP16 files."""
     if importlib.util.find_spec("tensorrt") is not None:
         pytest.skip("TensorRT is installed here")
     out = tiny_export.out
+    F = onnx.load(str(out / "world_step.onnx"), load_external_data=False).graph.input[2].type.tensor_type.shape.dim[2].dim_value
     kind = {"tokenizer_encode": "fp16", "world_step": "int8", "tokenizer_decode": "fp16"}
     want = {g: f"trtexec --onnx={out}/{g}.{kind[g]}.onnx --saveEngine={out}/{g}.{kind[g]}.engine --stronglyTyped {shapes}"
             for g, shapes in (
                 ("tokenizer_encode", "--minShapes=occ:1x16x16x4 --optShapes=occ:1x16x16x4 "
                                      "--maxShapes=occ:64x16x16x4"),
-                ("world_step", "--minShapes=codes:1x2x4x4,motion:1x2x3 --optShapes=codes:1x2x4x4,motion:1x2x3 "
-                               "--maxShapes=codes:64x16x4x4,motion:64x16x3"),
+                ("world_step", f"--minShapes=codes:1x1x4x4,motion:1x1x3,kv:1x1x{F} "
+                               f"--optShapes=codes:1x1x4x4,motion:1x3x3,kv:1x3x{F} "
+                               f"--maxShapes=codes:64x16x4x4,motion:64x16x3,kv:64x16x{F}"),
                 ("tokenizer_decode", "--minShapes=codes:1x4x4 --optShapes=codes:1x4x4 --maxShapes=codes:64x4x4"))}
     why = ("TensorRT is not available here (import tensorrt failed: ModuleNotFoundError: "
            "No module named 'tensorrt')")

@@ -2,6 +2,7 @@
 rollout, activation checkpointing."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -283,6 +284,50 @@ def test_cached_rollout_is_the_full_recompute():
         c1, _ = m.rollout(past, past_motion, 6, cache=True)
         c0, _ = m.rollout(past, past_motion, 6, cache=False)
     assert torch.equal(c1, c0)
+
+
+def test_packed_cache_step_is_the_full_recompute():
+    """cached_step (the exported world_step's function): the new frames against a (B, L, F) cache
+    they do not write, their rows returned; with the rows written back at their slots, any split of
+    the frames into calls gives step()'s prediction on all of them, whatever the unwritten slots
+    hold. The host loop over it (wm.export.forecast.world_steps) is rollout(cache=False), also
+    where the window slides past max_frames."""
+    from wm.export.forecast import world_steps
+    from wm.world import kv_row_width
+
+    torch.manual_seed(0)
+    cfg = tiny_cfg(max_frames=8, temporal_layers=2, pose_layers=2)
+    m = WorldModel(cfg, 32).eval()
+    for p in m.parameters():
+        p.data.mul_(3.0) if p.dim() > 1 else None
+    F = m.kv_width(8, 8)
+    # by hand: per level (8x8, 4x4 maps; decoder at twice the width) 2 temporal layers of cells x
+    # width keys and values per frame, and 2 pose layers of width
+    assert F == 2 * 2 * (64 * 16 + 16 * 16 + 16 * 64 + 64 * 32) + 2 * 2 * (16 + 16 + 64 + 32)
+    assert kv_row_width(cfg, 32, 8, 8) == F
+    codes, motion = torch.randint(0, 32, (3, 7, 8, 8)), torch.randn(3, 7, 3)
+    with torch.no_grad():
+        kv = torch.randn(3, 8, F) * 100  # unwritten slots: any finite values
+        for t0, t in ((0, 3), (3, 4), (4, 7)):
+            nxt, mot, rows = m.cached_step(codes[:, t0:t], motion[:, :t], kv)
+            assert rows.shape == (3, t - t0, F)
+            ref = m.step(codes[:, :t], motion[:, :t])
+            assert torch.equal(nxt, ref[0]) and torch.allclose(mot, ref[1], atol=1e-5), t
+            kv[:, t0:t] = rows
+        with pytest.raises(ValueError, match="rows of 5 values, this model's layers need"):
+            m.cached_step(codes[:, :2], motion[:, :2], torch.zeros(3, 1, 5))
+
+        class Torch:  # the graph runner protocol of wm.export.forecast over the module itself
+            def __call__(self, name, *x):
+                return m.cached_step(*x)
+
+        run = Torch()
+        wcfg = SimpleNamespace(world=cfg, tokenizer=SimpleNamespace(codebook_size=32))
+        past, past_motion = codes[:, :4], motion[:, :4]
+        for steps in (4, 6):  # 4 + 4 - 1 frames fit max_frames=8; 4 + 6 - 1 slide
+            got, got_m = world_steps(run, wcfg, past, past_motion, steps)
+            ref, ref_m = m.rollout(past, past_motion, steps, cache=False)
+            assert torch.equal(got[:, 4:], ref) and torch.allclose(got_m[:, 4:], ref_m, atol=1e-5), steps
 
 
 def test_a_compiled_rollout_is_two_graphs_whatever_its_length():

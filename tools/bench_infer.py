@@ -17,7 +17,8 @@ the device) and 4x4 poses (numpy), the future ego motion given. Rows (--modes):
 - ort-fp32, ort-fp16, ort-int8: onnxruntime on the CPU, the exported graphs (--export folder:
   export.py's files; without one the FP32 and FP16 graphs are exported to a temporary folder, INT8
   needs export.py --int8) run by the deployed host loop wm.export.forecast.forecast (its step graph
-  has no cache: every step runs all frames so far; INT8 runs onnxruntime's copies, .int8-ort.onnx);
+  takes and returns the key/value cache: each step after the first runs one frame; INT8 runs
+  onnxruntime's copies, .int8-ort.onnx);
 - occworld-fp32 (and occworld-bf16, autocast): OccWorld's released model code from --occworld PATH
   at its own config's sizes, its evaluation forward (tools/occworld_harness.py).
 

@@ -65,9 +65,11 @@ for i, (graph, model, feed) in enumerate(calls):
 """
 
 
-def record_calls(run_dir: Path, export: Path, windows: int, batch: int, folder: Path, log) -> tuple[list, int]:
-    """Roll out `windows` validation windows with the `.int8-ort` files natively, saving every
-    graph call's inputs under `folder`: ([(graph, feed path)], windows)."""
+def record_calls(run_dir: Path, export: Path, windows: int, batch: int, folder: Path, log,
+                 graphs=None, per_graph: int = 0) -> tuple[list, int]:
+    """Roll out `windows` validation windows with the `.int8-ort` files natively, saving the inputs
+    of every call of `graphs` (default: all), the first `per_graph` of each (0: all), under
+    `folder` (a world step's key/value cache is 0.6 GB at the occworld size): ([(graph, feed path)], windows)."""
     from wm.export.collect import batches, windows as pick
     from wm.export.forecast import OrtGraphs, forecast
     from wm.export.onnx import load_trained
@@ -77,13 +79,17 @@ def record_calls(run_dir: Path, export: Path, windows: int, batch: int, folder: 
     cfg = trained.cfg
     calls: list = []
 
+    seen: dict = {}
+
     class Recorder(OrtGraphs):
         def __call__(self, name, *inputs):
             s = self.session(name)
             feed = {i.name: x.detach().cpu().numpy() for i, x in zip(s.get_inputs(), inputs)}
-            path = folder / f"feed-{len(calls):05d}.npz"
-            np.savez(path, **feed)
-            calls.append((name, str(path)))
+            seen[name] = seen.get(name, 0) + 1
+            if (graphs is None or name in graphs) and (not per_graph or seen[name] <= per_graph):
+                path = folder / f"feed-{len(calls):05d}.npz"
+                np.savez(path, **feed)
+                calls.append((name, str(path)))
             return tuple(torch.from_numpy(np.ascontiguousarray(o)) for o in s.run(None, feed))
 
     run = Recorder(graph_files(export, CPU_INT8))
@@ -93,17 +99,6 @@ def record_calls(run_dir: Path, export: Path, windows: int, batch: int, folder: 
         occ, motion = b["occ"], b["motion"]
         forecast(run, cfg, occ[:, :P], motion[:, :P], motion[:, P:] if given else None)
     return calls, len(idx)
-
-
-def first_calls(calls: list, per_graph: int) -> list:
-    """The first `per_graph` calls of each graph, in the rollout's order."""
-    seen: dict = {}
-    kept = []
-    for graph, feed in calls:
-        seen[graph] = seen.get(graph, 0) + 1
-        if seen[graph] <= per_graph:
-            kept.append((graph, feed))
-    return kept
 
 
 def run_way(calls: list, files: dict, mode: str, qemu: list, folder: Path) -> None:
@@ -192,10 +187,7 @@ def main(argv=None) -> int:
     name, flags = this_cpu()
     with tempfile.TemporaryDirectory(prefix="wm-int8-cpus-") as tmp:
         tmp = Path(tmp)
-        calls, n = record_calls(run_dir, export, a.windows, a.batch, tmp, say)
-        calls = [c for c in calls if c[0] in graphs]
-        if a.calls_per_graph:
-            calls = first_calls(calls, a.calls_per_graph)
+        calls, n = record_calls(run_dir, export, a.windows, a.batch, tmp, say, graphs, a.calls_per_graph)
         say(f"{n} windows rolled out: {len(calls)} graph calls, each run natively ({name}), "
             f"under qemu -cpu {a.cpu}, and as its ONNX semantics")
         rows = {}

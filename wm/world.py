@@ -38,6 +38,7 @@ from wm import kernels
 from wm.errors import ConfigError
 from wm.config_rules import FREE, MATCH, rule
 from wm.layers import ResBlock, channels_last_grad, checkpointed, masked_cross_entropy, norm
+from wm.rollout_cache import KV, PackedCache, RolloutCache, cached_keys_values
 
 # ONNX export must not meet the Triton op. (Not torch.compiler.is_exporting: torch 2.11's Dynamo answers
 # True to it inside torch.compile too, which kept the kernel out of every compiled step.)
@@ -146,7 +147,8 @@ def _ffn(c: int, mult: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(c, mult * c), nn.GELU(), nn.Linear(mult * c, c))
 
 
-def short_causal_attention(q: Tensor, k: Tensor, v: Tensor, at: Tensor | None = None) -> Tensor:
+def short_causal_attention(q: Tensor, k: Tensor, v: Tensor, at: Tensor | None = None,
+                           key_at: Tensor | None = None) -> Tensor:
     """Causal softmax attention over a SHORT sequence (the frames of one window: T <= 16), written as
     two batched matmuls. Same function as F.scaled_dot_product_attention(..., is_causal=True), but
     for T = 11 and head dims 16-64 the fused kernels (flash, cuDNN, mem-efficient), tiled for long
@@ -157,43 +159,17 @@ def short_causal_attention(q: Tensor, k: Tensor, v: Tensor, at: Tensor | None = 
     H100). Long sequences (the tokenizer's and the pose layer's spatial attention) keep SDPA. `at`
     (tq,) long: the queries' frame positions among the keys' (a rollout step against the cached
     keys and values, RolloutCache; keys after a query's position are masked); default: q, k, v are
-    the same frames."""
+    the same frames. `key_at` (tk,) long: the keys' frame positions (default 0..tk-1; PackedCache
+    gives slots not yet written a position after every query's)."""
     tq, tk = q.shape[-2], k.shape[-2]
     a = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
     if at is None:
         mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).triu(1)
     else:  # a tensor, not a host int: every rollout step after the first has the same shapes and graph
-        mask = torch.arange(tk, device=q.device)[None, :] > at[:, None]
+        key_at = torch.arange(tk, device=q.device) if key_at is None else key_at
+        mask = key_at[None, :] > at[:, None]
     a = a.masked_fill(mask, float("-inf")).softmax(-1)
     return a.to(v.dtype) @ v
-
-
-class RolloutCache:
-    """The attention keys and values of a rollout's frames so far (WorldModel.rollout_cache): one
-    zeroed pair of buffers per attention layer, `length` frames long (the rollout's longest input),
-    and `pos`, the frames written (a 0-d long tensor on the device). Fixed lengths and a position on
-    the device make every step after the first the same computation on the same shapes: a compiled
-    step is two graphs (the past frames, then one frame), and a CUDA graph records it as it is."""
-
-    def __init__(self, buffers: list[tuple[Tensor, Tensor]], device: torch.device):
-        self.buffers = buffers
-        self.pos = torch.zeros((), dtype=torch.long, device=device)
-
-
-# a rollout's cache as the attention layers see it in one call: the cache and the new frames' positions
-_KV = tuple[RolloutCache, Tensor]
-
-
-def _cached(kv: _KV | None, layer: nn.Module, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """Keys and values (..., T, d) for the attention: the new frames' written into the layer's
-    buffers at their positions, and the whole buffers returned (slots not yet written are masked)."""
-    if kv is None:
-        return k, v
-    cache, at = kv
-    kb, vb = cache.buffers[layer.cache_slot]
-    kb.index_copy_(kb.dim() - 2, at, k.to(kb.dtype))
-    vb.index_copy_(vb.dim() - 2, at, v.to(vb.dtype))
-    return kb, vb
 
 
 class TemporalLayer(nn.Module):
@@ -210,21 +186,21 @@ class TemporalLayer(nn.Module):
         """The shape of this layer's rollout keys (and values): (B, cells, heads, frames, d)."""
         return batch, cells, self.heads, length, self.proj.out_features // self.heads
 
-    def _use_kernel(self, qkv: Tensor, cache: _KV | None) -> bool:
+    def _use_kernel(self, qkv: Tensor, cache: KV | None) -> bool:
         """The Triton kernel (the fused_attention flag) where it takes qkv, for a whole window (no rollout
         cache: the kernel's queries and keys are the same frames); never while exporting (ONNX has no such op)."""
         return cache is None and kernels.use(kernels.temporal_attention, self.fused, qkv, self.heads) and not _exporting()
 
-    def forward(self, x: Tensor, cache: _KV | None = None) -> Tensor:
+    def forward(self, x: Tensor, cache: KV | None = None) -> Tensor:
         b, t, s, c = x.shape
         qkv = self.qkv(self.norm1(x))
         if self._use_kernel(qkv, cache):
             o = kernels.temporal_attention.causal_time_attention(qkv, self.heads)  # (B, T, S, C), no permutes
         else:  # q, k, v (B, S, heads, T, d): attention over the frame axis
             q, k, v = qkv.reshape(b, t, s, 3, self.heads, c // self.heads).permute(3, 0, 2, 4, 1, 5)
-            k, v = _cached(cache, self, k, v)
+            k, v, key_at = cached_keys_values(cache, self, k, v)
             at = None if cache is None else cache[1]
-            o = short_causal_attention(q, k, v, at).permute(0, 3, 1, 2, 4).reshape(b, t, s, c)
+            o = short_causal_attention(q, k, v, at, key_at).permute(0, 3, 1, 2, 4).reshape(b, t, s, c)
         x = x + self.proj(o)
         return x + self.ffn(self.norm2(x))
 
@@ -246,15 +222,15 @@ class PoseLayer(nn.Module):
         """The shape of this layer's rollout keys (and values) over time: (B, heads, frames, d)."""
         return batch, self.heads, length, self.proj1.out_features // self.heads
 
-    def forward(self, p: Tensor, x: Tensor, cache: _KV | None = None) -> Tensor:
+    def forward(self, p: Tensor, x: Tensor, cache: KV | None = None) -> Tensor:
         b, t, c = p.shape
         hd, d = self.heads, c // self.heads
         q, k, v = self.qkv(self.norm1(p)).reshape(b, t, 3, hd, d).permute(2, 0, 3, 1, 4)
         if cache is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # the cached frames' keys: the queries sit at the cache's positions
-            k, v = _cached(cache, self, k, v)
-            o = short_causal_attention(q, k, v, cache[1])
+            k, v, key_at = cached_keys_values(cache, self, k, v)
+            o = short_causal_attention(q, k, v, cache[1], key_at)
         p = p + self.proj1(o.transpose(1, 2).reshape(b, t, c))
         cells = self.norm_kv(x.flatten(2).transpose(1, 2))  # (B*T, hw, C)
         k, v = self.kv(cells).reshape(b * t, -1, 2, hd, d).permute(2, 0, 3, 1, 4)
@@ -379,7 +355,7 @@ class WorldModel(nn.Module):
     def _ckpt_active(self) -> bool:
         return self.checkpoint_every > 0 and self.training and torch.is_grad_enabled()
 
-    def _call(self, blk: nn.Module, *args: Tensor, cache: _KV | None = None) -> Tensor:
+    def _call(self, blk: nn.Module, *args: Tensor, cache: KV | None = None) -> Tensor:
         """Run one block, activation-checkpointed if it is every k-th block (by its block_index);
         `cache` (attention layers, rollout only) holds the earlier frames' keys and values."""
         if self._ckpt_active() and blk.block_index % self.checkpoint_every == 0:
@@ -387,7 +363,7 @@ class WorldModel(nn.Module):
         return blk(*args) if cache is None else blk(*args, cache=cache)
 
     def _level(self, lvl: _Level, x: Tensor, p: Tensor, b: int, t: int,
-               cache: _KV | None = None) -> tuple[Tensor, Tensor]:
+               cache: KV | None = None) -> tuple[Tensor, Tensor]:
         """x (B*T, C, h, w), p (B, T, C) -> same shapes after conditioning, temporal and pose layers."""
         _, c, h, w = x.shape
         x = x + lvl.cond(p).reshape(b * t, c, 1, 1)
@@ -406,20 +382,23 @@ class WorldModel(nn.Module):
 
         With `cache` (a rollout's, see rollout), codes are only the frames after the cache.pos that
         earlier calls processed, motion their poses and, after the first call, the pose before them
-        (a displacement needs it): every layer is per frame or causal over time, so the earlier
-        frames' outputs cannot change, and the attention layers take their keys and values from the
-        cache."""
+        (a displacement needs it; a PackedCache: every pose so far): every layer is per frame or
+        causal over time, so the earlier frames' outputs cannot change, and the attention layers
+        take their keys and values from the cache."""
         b, t, h, w = codes.shape
         if t > self.cfg.max_frames:
             raise ValueError(f"world model: {t} input frames exceed max_frames={self.cfg.max_frames}")
-        if tuple(motion.shape) not in ([(b, t, 3)] if cache is None else [(b, t, 3), (b, t + 1, 3)]):
+        if isinstance(cache, PackedCache):  # motion: every frame so far (the shapes are checked by cached_step)
+            pass
+        elif tuple(motion.shape) not in ([(b, t, 3)] if cache is None else [(b, t, 3), (b, t + 1, 3)]):
             raise ValueError(f"world model: motion must be {(b, t, 3)}, got {tuple(motion.shape)}")
         if cache is None:
             kv, frame, pose_frame = None, self.frame_embed[:t], self.pose_frame_embed[:t]
         else:
             at = cache.pos + torch.arange(t, device=codes.device)  # the new frames' positions
             kv, frame, pose_frame = (cache, at), self.frame_embed[at], self.pose_frame_embed[at]
-            cache.pos.add_(t)
+            if isinstance(cache, RolloutCache):
+                cache.pos.add_(t)
         x = self.code_embed(codes.long()) + frame[:, None, None, :]  # (B, T, h, w, C)
         feats = motion_features(motion.to(x.dtype), self.cfg.motion_scale)[:, -t:]
         x = x.permute(0, 1, 4, 2, 3).reshape(b * t, -1, h, w)
@@ -519,19 +498,48 @@ class WorldModel(nn.Module):
         m = motion.to(p.dtype)
         return nxt, self._next_motion(p[:, -1], m[:, -1], displacement(m[:, -2:])[:, -1])
 
+    def cached_step(self, codes: Tensor, motion: Tensor, kv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """One rollout step against a PackedCache, nothing written in place: what export's
+        `world_step` graph computes. codes (B,N,h,w): the frames not yet in the cache; motion
+        (B,T,3): the poses of every frame so far, the new ones last (T = pos + N, pos = the
+        frames in the cache); kv (B,L,F) (L >= T, F = kv_width(h, w)): the cache, its first pos
+        slots written. -> the next frame's argmax codes (B,h,w), its predicted motion (B,3), and
+        the new frames' cache rows (B,N,F), for the caller to write at slots pos..T-1. With pos = 0
+        (any kv, e.g. zeros) the same function as step(codes, motion)."""
+        b, n, h, w = codes.shape
+        if motion.shape[0] != b or motion.shape[-1] != 3 or motion.shape[1] < n or kv.shape[0] != b:
+            raise ValueError(f"world model: codes {tuple(codes.shape)}, motion {tuple(motion.shape)} and cache "
+                             f"{tuple(kv.shape)} do not fit (motion: every frame so far, the codes' last)")
+        cache = PackedCache(kv, motion.shape[1] - n, self.kv_layout(h, w))
+        x, p = self._trunk(codes, motion, cache)
+        x_last = x.reshape(b, n, *x.shape[1:])[:, -1]
+        nxt = self.out_conv(F.silu(self.out_norm(x_last))).argmax(1)
+        m = motion.to(p.dtype)
+        return nxt, self._next_motion(p[:, -1], m[:, -1], displacement(m[:, -2:])[:, -1]), cache.new_rows()
+
+    def _kv_shapes(self, batch: int, h: int, w: int, length: int) -> list[tuple[int, ...]]:
+        """Every attention layer's key (and value) shape in a rollout, in cache_slot order."""
+        sizes = [(h, w)]  # each level's map: the stride-2 convs halve it, rounding up
+        for _ in self.enc_levels[1:]:
+            sizes.append(((sizes[-1][0] + 1) // 2, (sizes[-1][1] + 1) // 2))
+        return [layer.kv_shape(batch, lh * lw, length)
+                for lvl, (lh, lw) in zip([*self.enc_levels, *self.dec_levels], [*sizes, *reversed(sizes)])
+                for layer in [*lvl.temporal, *lvl.pose]]
+
+    def kv_layout(self, h: int, w: int) -> list[tuple[int, ...]]:
+        """Each attention layer's keys of ONE frame, in a PackedCache row's order (frame axis dropped)."""
+        return [s[1:-2] + s[-1:] for s in self._kv_shapes(1, h, w, 1)]
+
+    def kv_width(self, h: int, w: int) -> int:
+        """F: the values of one frame's PackedCache row (keys and values of every attention layer)."""
+        return sum(2 * math.prod(s) for s in self.kv_layout(h, w))
+
     def rollout_cache(self, batch: int, h: int, w: int, length: int, device: torch.device,
                       dtype: torch.dtype) -> RolloutCache:
         """Zeroed key/value buffers of `length` frames for every attention layer, for rollouts of
         `batch` (h, w) token maps (zeros: a masked slot must still be finite, 0 x NaN is NaN)."""
-        sizes = [(h, w)]  # each level's map: the stride-2 convs halve it, rounding up
-        for _ in self.enc_levels[1:]:
-            sizes.append(((sizes[-1][0] + 1) // 2, (sizes[-1][1] + 1) // 2))
-        buffers = []
-        for lvl, (lh, lw) in zip([*self.enc_levels, *self.dec_levels], [*sizes, *reversed(sizes)]):
-            for layer in [*lvl.temporal, *lvl.pose]:
-                shape = layer.kv_shape(batch, lh * lw, length)
-                buffers.append((torch.zeros(shape, device=device, dtype=dtype),
-                                torch.zeros(shape, device=device, dtype=dtype)))
+        buffers = [(torch.zeros(s, device=device, dtype=dtype), torch.zeros(s, device=device, dtype=dtype))
+                   for s in self._kv_shapes(batch, h, w, length)]
         return RolloutCache(buffers, device)
 
     def rollout(
@@ -574,3 +582,9 @@ class WorldModel(nn.Module):
             codes = torch.cat([codes, nxt[:, None]], 1)
             motion = torch.cat([motion, m_next[:, None].to(motion.dtype)], 1)
         return codes[:, p_len:], motion[:, p_len:]
+
+
+def kv_row_width(cfg: WorldConfig, num_codes: int, h: int, w: int) -> int:
+    """WorldModel(cfg, num_codes).kv_width(h, w) without its weights (built on the meta device)."""
+    with torch.device("meta"):
+        return WorldModel(cfg, num_codes, fused_attention=False, channels_last=False).kv_width(h, w)

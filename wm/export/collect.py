@@ -32,6 +32,7 @@ import torch
 from wm.export.calib import NUM_BINS, HistogramCollector
 from wm.export.quantizable import Int8Error
 from wm.logs import Progress
+from wm.world import kv_row_width
 
 _CHUNK = 1 << 25  # values binned at once (bounds the int64 index temporary: 256 MiB)
 
@@ -92,7 +93,9 @@ def calibrate_batch(run, cfg, occ: torch.Tensor, motion: torch.Tensor) -> None:
     codes = _frames(run, "tokenizer_encode", occ.reshape(B * T, *grid), grid)[0]
     codes = codes.reshape(B, T, *codes.shape[1:])
     t = min(T - 1, maxf)
-    run("world_step", codes[:, :t], motion[:, :t].float())
+    h, w = codes.shape[-2:]
+    kv = torch.zeros(B, 1, kv_row_width(cfg.world, cfg.tokenizer.codebook_size, h, w), device=codes.device)
+    run("world_step", codes[:, :t], motion[:, :t].float(), kv)  # an empty cache: all t frames are new
     _frames(run, "tokenizer_decode", codes[:, P:].reshape(B * (T - P), *codes.shape[2:]), grid, keep=False)
 
 

@@ -2,9 +2,10 @@
 three exported graphs (``tokenizer_encode``, ``world_step``, ``tokenizer_decode``; see
 wm.export.onnx), and the engines that run those graphs.
 
-:func:`forecast` is the loop a deployment runs: encode the P past frames, call ``world_step`` once per
-future frame on the frames so far (the last ``world.max_frames`` of them), append its codes and
-motion (or the given future motion), then decode the forecast codes and take the argmax. It is the
+:func:`forecast` is the loop a deployment runs: encode the P past frames, roll ``world_step`` over
+the future frames (:func:`world_steps`: the past frames in the first call, then each predicted
+frame against the key/value cache the loop keeps), append its codes and motion (or the given future
+motion), then decode the forecast codes and take the argmax. It is the
 same computation as ``WorldModel.rollout`` (tested equal), whatever runs the graphs:
 
 - :class:`TorchGraphs`: the PyTorch modules themselves (the FP32 reference; FP16 under autocast), on
@@ -30,22 +31,52 @@ from torch import Tensor
 RunGraph = Callable[..., tuple]
 
 
+def world_steps(run: RunGraph, cfg, codes: Tensor, motion: Tensor, steps: int,
+                future_motion: Optional[Tensor] = None, kv_width: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """The world model's rollout over ``world_step`` calls: codes (B, P, h, w), motion (B, P, 3) of
+    the past frames -> (codes (B, P + steps, h, w), motion (B, P + steps, 3)), the past frames first.
+
+    The graph takes the frames not yet in its key/value cache and returns their cache rows
+    (wm.world.PackedCache): the first call runs the P past frames, each later call only the frame
+    the one before predicted (P + steps - 1 frame passes, not P + (P + 1) + ...). The host keeps the
+    cache, one (B, L, F) tensor, L = the frames it must hold, and writes each call's rows at their
+    slots. Past max_frames frames the window slides, every frame's position changes, and each step
+    runs the last max_frames frames on an empty cache instead (what WorldModel.rollout does then)."""
+    B, P, h, w = codes.shape
+    maxf = cfg.world.max_frames
+    slots = min(maxf, P + steps - 1)
+    if kv_width is None:
+        from wm.world import kv_row_width
+
+        kv_width = kv_row_width(cfg.world, cfg.tokenizer.codebook_size, h, w)
+    kv = torch.zeros(B, max(slots, 1), kv_width, device=codes.device)
+    codes, motion, new, pos = codes.long(), motion.float(), codes.long(), 0
+    for s in range(steps):
+        if motion.shape[1] > maxf:  # slid: no frame keeps its position, nothing cached holds
+            new, pos = codes[:, -maxf:], 0
+        nxt, m, rows = run("world_step", new, motion[:, -maxf:], kv)
+        n = new.shape[1]
+        if pos + n <= kv.shape[1]:
+            kv[:, pos:pos + n] = rows.to(kv.device, kv.dtype)
+        pos += n
+        if future_motion is not None:
+            m = future_motion[:, s]
+        new = nxt.long().to(codes.device)[:, None]
+        codes = torch.cat([codes, new], 1)
+        motion = torch.cat([motion, m.float().to(motion.device)[:, None]], 1)
+    return codes, motion
+
+
 def forecast(run: RunGraph, cfg, past_occ: Tensor, past_motion: Tensor, future_motion: Optional[Tensor] = None,
              decode_chunk: int = 8) -> Tensor:
     """past_occ uint8 (B, P, X, Y, Z), past_motion (B, P, 3)[, future_motion (B, S, 3) when the run
     forecasts with given motion] -> future occupancy uint8 (B, S, X, Y, Z), S = data.future.
     Frames are decoded `decode_chunk` at a time (the logits of one occworld frame are 46 MB)."""
     B, P = past_occ.shape[:2]
-    S, maxf = cfg.data.future, cfg.world.max_frames
+    S = cfg.data.future
     codes = run("tokenizer_encode", past_occ.reshape(B * P, *past_occ.shape[2:]))[0]
     codes = codes.reshape(B, P, *codes.shape[1:]).long()
-    motion = past_motion.float()
-    for s in range(S):
-        nxt, m = run("world_step", codes[:, -maxf:], motion[:, -maxf:])
-        if future_motion is not None:
-            m = future_motion[:, s]
-        codes = torch.cat([codes, nxt.long()[:, None]], 1)
-        motion = torch.cat([motion, m.float().to(motion.device)[:, None]], 1)
+    codes, _ = world_steps(run, cfg, codes, past_motion, S, future_motion)
     fut = codes[:, P:].reshape(B * S, *codes.shape[2:])
     out = [run("tokenizer_decode", fut[i:i + decode_chunk])[0].argmax(1).to(torch.uint8)
            for i in range(0, len(fut), decode_chunk)]

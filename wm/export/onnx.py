@@ -4,14 +4,16 @@ Graphs (batch dimension dynamic in all of them):
 
 - `tokenizer_encode.onnx`: occupancy uint8 (B, X, Y, Z) -> codes int64 (B, X/d, Y/d), d =
   tokenizer.downsample (OccWorld's 4).
-- `world_step.onnx`: ONE world-model step: codes int64 (B, T, h, w) + ego motion float32 (B, T, 3) of
-  the frames so far (T dynamic, 2..world.max_frames) -> the next frame's codes (B, h, w) and
-  predicted ego motion (B, 3).
+- `world_step.onnx`: ONE world-model step against a key/value cache (WorldModel.cached_step):
+  codes int64 (B, N, h, w) of the frames not yet cached + ego motion float32 (B, T, 3) of every
+  frame so far + the cache float32 (B, L, F) -> the next frame's codes (B, h, w), predicted ego
+  motion (B, 3) and the new frames' cache rows (B, N, F) (N, T, L dynamic, 1..world.max_frames).
 - `tokenizer_decode.onnx`: codes int64 (B, X/d, Y/d) -> logits float32 (B, C, X, Y, Z).
 
 The forecast (past occupancy + motion -> future occupancy) is the host loop of
-:mod:`wm.export.forecast` over them: encode the past frames, call `world_step` once per future frame
-(appending its codes and motion, or the given future motion), decode. Why not one unrolled graph:
+:mod:`wm.export.forecast` over them: encode the past frames, call `world_step` on them and then once
+per further future frame on the frame just predicted (appending its codes and motion, or the given
+future motion; the host keeps the cache), decode. Why not one unrolled graph:
 at the `occworld` size the encoder + 6 world-model steps + decoder unrolled into one graph took
 880 s to export on 2 CPU cores (and > 9 minutes on a 32-core host) and 268 MiB, while the step graph
 exports in under a minute (measured in BENCHMARKS.md); the horizon becomes a runtime choice, and
@@ -167,28 +169,44 @@ class WorldStep(nn.Module):
         super().__init__()
         self.world = world
 
-    def forward(self, codes, motion):
-        return self.world.step(codes, motion)
+    def forward(self, codes, motion, kv):
+        return self.world.cached_step(codes, motion, kv)
 
 
 GRAPH_NAMES = ("tokenizer_encode", "world_step", "tokenizer_decode")
-OUTPUTS = {"tokenizer_encode": ["codes"], "world_step": ["next_codes", "next_motion"],
+OUTPUTS = {"tokenizer_encode": ["codes"], "world_step": ["next_codes", "next_motion", "new_kv"],
            "tokenizer_decode": ["logits"]}
+# world_step's dynamic axes, beside the batch: the new frames (N), every frame so far (T), the cache's slots (L)
+WORLD_DIMS = {"codes": "new", "motion": "frames", "kv": "slots"}
 
 
-def example_inputs(t: Trained, batch: int, seed: int = 0, frames: Optional[int] = None) -> dict[str, dict[str, torch.Tensor]]:
+def example_inputs(t: Trained, batch: int, seed: int = 0, frames: Optional[int] = None,
+                   new: Optional[int] = None) -> dict[str, dict[str, torch.Tensor]]:
     """Random but valid inputs of every graph (class ids and codes in range, motion of driving
-    size); world_step gets `frames` frames (default: data.past)."""
+    size); world_step gets `frames` frames so far (default: data.past + 2), the last `new` of them
+    (default: frames - 2) as codes, the others in its cache of frames + 1 slots (random values: the
+    graph must ignore the unwritten ones). Three different sizes, so that torch.export ties none of
+    the three axes to another."""
     cfg, g = t.cfg, torch.Generator().manual_seed(seed)
     X, Y, Z = cfg.data.grid
     C, K = cfg.data.num_classes, cfg.tokenizer.codebook_size
-    T = frames or cfg.data.past
+    T = frames or min(cfg.data.past + 2, cfg.world.max_frames - 1)
+    N = new or max(1, T - 2)
     h, w = X // cfg.tokenizer.downsample, Y // cfg.tokenizer.downsample
     occ = torch.randint(0, C, (batch, X, Y, Z), generator=g).to(torch.uint8)
     motion = torch.randn(batch, T, 3, generator=g) * torch.tensor([5.0, 0.5, 0.05])
+    kv = torch.randn(batch, T + 1, t.world.kv_width(h, w), generator=g)
     return {"tokenizer_encode": {"occ": occ},
-            "world_step": {"codes": torch.randint(0, K, (batch, T, h, w), generator=g), "motion": motion},
+            "world_step": {"codes": torch.randint(0, K, (batch, N, h, w), generator=g), "motion": motion, "kv": kv},
             "tokenizer_decode": {"codes": torch.randint(0, K, (batch, h, w), generator=g)}}
+
+
+def world_profile(cfg) -> dict[str, tuple[int, int, int]]:
+    """(min, opt, max) of world_step's WORLD_DIMS for a TensorRT profile: tuned for the steps after
+    the first (one new frame, a whole forecast's frames and cache)."""
+    M = cfg.world.max_frames
+    span = min(M, cfg.data.past + cfg.data.future - 1)
+    return {"new": (1, 1, M), "frames": (1, span, M), "slots": (1, span, M)}
 
 
 def graphs(t: Trained) -> dict[str, nn.Module]:
@@ -198,11 +216,11 @@ def graphs(t: Trained) -> dict[str, nn.Module]:
 
 
 def dynamic_shapes(t: Trained, name: str, inputs: dict, max_batch: int) -> tuple:
-    """torch.export dims of a graph's inputs: the batch everywhere, the frames of world_step."""
+    """torch.export dims of a graph's inputs: the batch everywhere, WORLD_DIMS on world_step's axis 1."""
     batch = torch.export.Dim("batch", min=1, max=max_batch)
     if name == "world_step":
-        frames = torch.export.Dim("frames", min=2, max=t.cfg.world.max_frames)
-        return ({0: batch, 1: frames}, {0: batch, 1: frames})
+        return tuple({0: batch, 1: torch.export.Dim(WORLD_DIMS[k], min=1, max=t.cfg.world.max_frames)}
+                     for k in inputs)
     return tuple({0: batch} for _ in inputs)
 
 

@@ -32,6 +32,7 @@ _DECISION_OPS = ("ArgMax", "ArgMin", "TopK")
 # Heads by module path (the exporter's name scopes): what no reachability rule sees, e.g. the
 # world model's motion head, which feeds the next rollout step's pose MLP.
 HEAD_SCOPES = r"(^|\.)(out_conv|motion_head|dec_out|enc_out)(\.|$)"
+STATE_OUTPUTS = ("new_kv",)  # graph outputs that are state for the next call, not answers (output_heads)
 _FLOAT_TYPES = (1, 10, 11, 16)  # onnx.TensorProto FLOAT, FLOAT16, DOUBLE, BFLOAT16
 # Ops that only move values: a tensor seen through them after a table lookup is still the table's rows.
 _VIEW_OPS = ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity")
@@ -163,6 +164,10 @@ def exact_range_tensors(model, tensors: Optional[Iterable[str]] = None) -> dict[
                 sources[x] = None
                 stack.pop()
                 continue
+            if n.op_type in ("Shape", "Size"):  # a shape, not values (the step's frame counts)
+                sources[x] = frozenset()
+                stack.pop()
+                continue
             todo = [i for i in n.input if i and i not in sources]
             if todo:
                 stack.extend(todo)
@@ -218,14 +223,18 @@ def output_heads(model, op_types: Sequence[str] = QUANT_OP_TYPES,
       tokenizer's dec_out before the class-embedding Einsum, the world model's out_conv before
       its argmax, the encoder's enc_out and codebook-distance Gemm before the nearest-code argmin);
     - a node whose module path (exporter name scope) matches `head_scopes` (e.g. the world model's
-      motion head, whose output feeds the next rollout step)."""
+      motion head, whose output feeds the next rollout step).
+
+    The STATE_OUTPUTS (the world step's key/value cache rows) are not answers but the state the
+    next call's attention reads, as the same graph without a cache reads them within one call:
+    reaching them makes no head."""
     model = _load(model)
     g = model.graph
     consumers: dict[str, list] = {}
     for n in g.node:
         for t in n.input:
             consumers.setdefault(t, []).append(n)
-    outputs = {o.name for o in g.output}
+    outputs = {o.name for o in g.output} - set(STATE_OUTPUTS)
     heads: dict[str, str] = {}
     pat = re.compile(head_scopes) if head_scopes else None
     for n in g.node:
