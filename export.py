@@ -176,6 +176,7 @@ def export(argv, progress: dict) -> int:
             print(f"{name + '.fp16':<18}{r['fp16']['bytes'] / 2**20:7.1f} MiB            " + "  ".join(
                 f"batch {k[-1]}: agree {v['class_agreement']:.4f}" for k, v in f.items()))
     secs["export_fp32" + ("_fp16" if a.fp16 else "")] = round(time.perf_counter() - t0, 2)
+    del ex
     if a.int8:
         from wm.export.int8 import run_int8
 
@@ -208,7 +209,8 @@ def export(argv, progress: dict) -> int:
         kinds = {name: ".int8" if a.int8 and (q[name]["nodes_quantized"] or not a.fp16) else
                  ".fp16" if a.fp16 else "" for name in report["graphs"]}
         files = {name: out / f"{name}{kind}.onnx" for name, kind in kinds.items()}
-        feeds = {name: {k: v.numpy() for k, v in ex[2][name].items()} for name in files}
+        ex = example_inputs(t, 2, seed=2)  # made again: the world step's held the export's memory
+        feeds = {name: {k: v.numpy() for k, v in ex[name].items()} for name in files}
         c = t.cfg
         report["tensorrt"] = deploy(files, feeds, max_batch=a.max_batch, opt_batch=1,
                                     dims=world_profile(c))

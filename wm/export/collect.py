@@ -94,8 +94,9 @@ def calibrate_batch(run, cfg, occ: torch.Tensor, motion: torch.Tensor) -> None:
     codes = codes.reshape(B, T, *codes.shape[1:])
     t = min(T - 1, maxf)
     h, w = codes.shape[-2:]
-    kv = torch.zeros(B, 1, kv_row_width(cfg.world, cfg.tokenizer.codebook_size, h, w), device=codes.device)
-    run("world_step", codes[:, :t], motion[:, :t].float(), kv)  # an empty cache: all t frames are new
+    kv = torch.zeros(1, 1, kv_row_width(cfg.world, cfg.tokenizer.codebook_size, h, w), device=codes.device)
+    for i in range(B):  # an empty cache, all t frames new; window by window: their cache rows are 0.65 GB
+        run("world_step", codes[i:i + 1, :t], motion[i:i + 1, :t].float(), kv)  # a window at the occworld size
     _frames(run, "tokenizer_decode", codes[:, P:].reshape(B * (T - P), *codes.shape[2:]), grid, keep=False)
 
 

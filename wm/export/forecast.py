@@ -44,20 +44,22 @@ def world_steps(run: RunGraph, cfg, codes: Tensor, motion: Tensor, steps: int,
     runs the last max_frames frames on an empty cache instead (what WorldModel.rollout does then)."""
     B, P, h, w = codes.shape
     maxf = cfg.world.max_frames
-    slots = min(maxf, P + steps - 1)
+    slots = max(1, min(maxf, P + steps - 2))  # the last call's rows are never read
     if kv_width is None:
         from wm.world import kv_row_width
 
         kv_width = kv_row_width(cfg.world, cfg.tokenizer.codebook_size, h, w)
-    kv = torch.zeros(B, max(slots, 1), kv_width, device=codes.device)
+    kv = torch.zeros(B, 1, kv_width, device=codes.device)  # the first call reads no slot
     codes, motion, new, pos = codes.long(), motion.float(), codes.long(), 0
     for s in range(steps):
         if motion.shape[1] > maxf:  # slid: no frame keeps its position, nothing cached holds
             new, pos = codes[:, -maxf:], 0
         nxt, m, rows = run("world_step", new, motion[:, -maxf:], kv)
+        if kv.shape[1] < slots:  # the cache lives where the graph's engine put its rows: no copy a step
+            kv = torch.zeros(B, slots, kv_width, device=rows.device)
         n = new.shape[1]
         if pos + n <= kv.shape[1]:
-            kv[:, pos:pos + n] = rows.to(kv.device, kv.dtype)
+            kv[:, pos:pos + n] = rows
         pos += n
         if future_motion is not None:
             m = future_motion[:, s]

@@ -183,19 +183,19 @@ WORLD_DIMS = {"codes": "new", "motion": "frames", "kv": "slots"}
 def example_inputs(t: Trained, batch: int, seed: int = 0, frames: Optional[int] = None,
                    new: Optional[int] = None) -> dict[str, dict[str, torch.Tensor]]:
     """Random but valid inputs of every graph (class ids and codes in range, motion of driving
-    size); world_step gets `frames` frames so far (default: data.past + 2), the last `new` of them
-    (default: frames - 2) as codes, the others in its cache of frames + 1 slots (random values: the
-    graph must ignore the unwritten ones). Three different sizes, so that torch.export ties none of
-    the three axes to another."""
+    size); world_step gets `frames` frames so far (default 4), the last `new` of them (default:
+    frames - 2) as codes, the others in its cache of frames - 1 slots (random values: the graph must
+    ignore the unwritten one). Three different sizes, so that torch.export ties none of the three
+    axes to another, and few slots: a slot is 65 MB a window at the occworld size."""
     cfg, g = t.cfg, torch.Generator().manual_seed(seed)
     X, Y, Z = cfg.data.grid
     C, K = cfg.data.num_classes, cfg.tokenizer.codebook_size
-    T = frames or min(cfg.data.past + 2, cfg.world.max_frames - 1)
+    T = frames or min(4, cfg.world.max_frames)
     N = new or max(1, T - 2)
     h, w = X // cfg.tokenizer.downsample, Y // cfg.tokenizer.downsample
     occ = torch.randint(0, C, (batch, X, Y, Z), generator=g).to(torch.uint8)
     motion = torch.randn(batch, T, 3, generator=g) * torch.tensor([5.0, 0.5, 0.05])
-    kv = torch.randn(batch, T + 1, t.world.kv_width(h, w), generator=g)
+    kv = torch.randn(batch, max(1, T - 1), t.world.kv_width(h, w), generator=g)
     return {"tokenizer_encode": {"occ": occ},
             "world_step": {"codes": torch.randint(0, K, (batch, N, h, w), generator=g), "motion": motion, "kv": kv},
             "tokenizer_decode": {"codes": torch.randint(0, K, (batch, h, w), generator=g)}}
