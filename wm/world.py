@@ -388,9 +388,9 @@ class WorldModel(nn.Module):
         b, t, h, w = codes.shape
         if t > self.cfg.max_frames:
             raise ValueError(f"world model: {t} input frames exceed max_frames={self.cfg.max_frames}")
-        if isinstance(cache, PackedCache):  # motion: every frame so far (the shapes are checked by cached_step)
-            pass
-        elif tuple(motion.shape) not in ([(b, t, 3)] if cache is None else [(b, t, 3), (b, t + 1, 3)]):
+        # a PackedCache's motion is every frame so far (cached_step checks it)
+        if not isinstance(cache, PackedCache) and \
+                tuple(motion.shape) not in ([(b, t, 3)] if cache is None else [(b, t, 3), (b, t + 1, 3)]):
             raise ValueError(f"world model: motion must be {(b, t, 3)}, got {tuple(motion.shape)}")
         if cache is None:
             kv, frame, pose_frame = None, self.frame_embed[:t], self.pose_frame_embed[:t]

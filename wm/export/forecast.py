@@ -27,12 +27,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from wm.world import kv_row_width
+
 # graph name -> run(graph name, *inputs) -> tuple of outputs (torch tensors on the engine's device)
 RunGraph = Callable[..., tuple]
 
 
 def world_steps(run: RunGraph, cfg, codes: Tensor, motion: Tensor, steps: int,
-                future_motion: Optional[Tensor] = None, kv_width: Optional[int] = None) -> tuple[Tensor, Tensor]:
+                future_motion: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """The world model's rollout over ``world_step`` calls: codes (B, P, h, w), motion (B, P, 3) of
     the past frames -> (codes (B, P + steps, h, w), motion (B, P + steps, 3)), the past frames first.
 
@@ -45,10 +47,7 @@ def world_steps(run: RunGraph, cfg, codes: Tensor, motion: Tensor, steps: int,
     B, P, h, w = codes.shape
     maxf = cfg.world.max_frames
     slots = max(1, min(maxf, P + steps - 2))  # the last call's rows are never read
-    if kv_width is None:
-        from wm.world import kv_row_width
-
-        kv_width = kv_row_width(cfg.world, cfg.tokenizer.codebook_size, h, w)
+    kv_width = kv_row_width(cfg.world, cfg.tokenizer.codebook_size, h, w)
     kv = torch.zeros(B, 1, kv_width, device=codes.device)  # the first call reads no slot
     codes, motion, new, pos = codes.long(), motion.float(), codes.long(), 0
     for s in range(steps):
