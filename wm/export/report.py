@@ -83,8 +83,8 @@ def ort_row(out_dir: Path, row: str, threads: int = 0):
 def rollout_workers(cpus: Optional[int] = None) -> int:
     """onnxruntime sessions that roll out the INT8 files side by side (engine torch), each on its
     share of the cores: one per 4 cores (one session's 32 threads ran the occworld world step at less
-    than half the rate of 8 sessions of 4), at most 4: each holds a world step's activations, and 4
-    put the report's host peak at 6.9 GiB of the 8 allowed."""
+    than half the rate of 8 sessions of 4), at most 4: each holds a world step's activations and a
+    window's key/value cache (0.6 GB at the occworld size), within the 8 GiB an export may use."""
     return max(1, min(4, (cpus or os.cpu_count() or 1) // 4))
 
 
