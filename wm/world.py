@@ -27,6 +27,8 @@ any input after t. Model code knows nothing of devices, DDP or AMP.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -585,6 +587,14 @@ class WorldModel(nn.Module):
 
 
 def kv_row_width(cfg: WorldConfig, num_codes: int, h: int, w: int) -> int:
-    """WorldModel(cfg, num_codes).kv_width(h, w) without its weights (built on the meta device)."""
+    """WorldModel(cfg, num_codes).kv_width(h, w) without its weights (built on the meta device, once
+    per config: the export's host loop asks at every forecast)."""
+    fields = tuple(tuple(v) if isinstance(v, list) else v for v in dataclasses.astuple(cfg))
+    return _kv_row_width(fields, num_codes, h, w)
+
+
+@functools.lru_cache(maxsize=16)
+def _kv_row_width(fields: tuple, num_codes: int, h: int, w: int) -> int:
     with torch.device("meta"):
-        return WorldModel(cfg, num_codes, fused_attention=False, channels_last=False).kv_width(h, w)
+        model = WorldModel(WorldConfig(*fields), num_codes, fused_attention=False, channels_last=False)
+        return model.kv_width(h, w)
