@@ -100,6 +100,10 @@ def export(argv, progress: dict) -> int:
                     help="also quantize the matrix products of two activations (attention scores and "
                          "weighted values); by default they stay float and only products with a weight "
                          "are INT8 (docs/EXPORT.md)")
+    ap.add_argument("--int8-pose", action="store_true",
+                    help="also quantize the world model's ego-motion (pose-token) path; by default it stays "
+                         "float: one vector per frame, so its INT8 saves no time, and its error reaches every "
+                         "cell (docs/EXPORT.md)")
     ap.add_argument("--parity-windows", type=int, default=2,
                     help="with the torch engine: windows the report also runs through the FP32 files in "
                          "onnxruntime, for their parity with PyTorch")
@@ -195,7 +199,7 @@ def export(argv, progress: dict) -> int:
         full = run_int8(t, out, a.calib_windows, a.eval_windows, batch=a.batch, trt_version=a.trt_version,
                         engine=a.engine, programs=programs, parity_windows=a.parity_windows, mark=mark,
                         budget_s=60 * a.time_budget, method=a.calib_method, exclude_scopes=a.int8_float,
-                        products=a.int8_attention)
+                        products=a.int8_attention, pose=a.int8_pose)
         report["int8"] = full["int8"]
         secs.update({f"int8_{k}": v for k, v in full["int8"]["seconds"].items() if k != "total"})
     if not a.no_trt:

@@ -75,6 +75,24 @@ def head_nodes(model):
     return out
 
 
+def pose_linears(trained, graph):
+    """The world model's Linear layers that work on its pose tokens, counted on the PyTorch module:
+    the pose MLPs, each level's conditioning, and the pose layers' but for their cells' keys/values."""
+    import re
+
+    import torch
+    from wm.export.onnx import graphs
+
+    per_frame = ("pose_in", "enc_pose", "mid_pose", "dec_pose", "pose_ups", "cond")
+    n = 0
+    for name, m in graphs(trained)[graph].named_modules():
+        parts = name.split(".")
+        if isinstance(m, torch.nn.Linear) and (any(p in per_frame for p in parts) or (
+                re.search(r"\.pose\.\d+\.", name) and parts[-1] != "kv")):
+            n += 1
+    return n
+
+
 def product_nodes(model):
     """Matrix products of two activations (attention), by their inputs: neither is an initializer."""
     f_init = inits(model)
@@ -126,9 +144,12 @@ def test_qdq_on_every_quantized_input_and_none_on_float_ops(run, graph):
             assert np.array_equal(q_init[n.input[2]], f_init[o.input[2]])
     products = product_nodes(fp32)
     assert products or graph != "world_step"  # its attention
-    assert float_nodes == heads | products  # exactly the heads and the attention's products stay float
+    pose = set(I.pose_path(fp32))
+    assert len(pose) == pose_linears(run.trained, graph)
+    # exactly the heads, the attention's products and the pose-token path stay float
+    assert float_nodes == heads | products | pose
     rep = run.res["int8"]["graphs"][graph]
-    assert set(rep["nodes_float"]) == heads | products and rep["nodes_quantized"] == len(quantized) > 0
+    assert set(rep["nodes_float"]) == heads | products | pose and rep["nodes_quantized"] == len(quantized) > 0
     assert all(rep["nodes_float"][n] == "product of two activations (attention)" for n in products - heads)
     kinds = {orig[n].op_type for n in quantized}
     assert {"Conv", "MatMul"} <= kinds and ("ConvTranspose" in kinds or graph != "world_step")
@@ -203,7 +224,8 @@ def test_data_ranged_tensors_take_their_exact_max(run):
     ego-motion inputs of the pose MLP and the attention weights (Softmax outputs, in [0, 1]) are
     found from the graph alone, and only they are left out of the entropy search: their threshold
     is their exact max. The attention weights feed only products of two activations, float by
-    default, so they are not calibrated at all here (test_attention_products_...)."""
+    default, so they are not calibrated at all here, nor is the motion input, whose reader is on the
+    pose-token path, float by default (test_attention_products_and_pose_path_...)."""
     tok = run.trained.tokenizer
     want = {"tokenizer_encode": ({"rows of table tok.class_embed.weight"}, 0),
             "tokenizer_decode": ({"rows of table tok.quantizer.codebook.weight"}, 0),
@@ -219,8 +241,10 @@ def test_data_ranged_tensors_take_their_exact_max(run):
         assert set(found.values()) - {found[t] for t in softmax} == reasons, graph
         assert sum(r.startswith("values of input") for r in found.values()) == motion_tensors, graph
         detail = json.loads((run.out / f"{graph}.calib.json").read_text())["tensors"]
-        calibrated = {t: why for t, why in found.items() if t not in softmax}
-        assert not softmax & set(detail), graph
+        # the motion input's one reader is the pose MLP, float by default like the products
+        motion = {t for t, why in found.items() if why.startswith("values of input")}
+        calibrated = {t: why for t, why in found.items() if t not in softmax | motion}
+        assert not (softmax | motion) & set(detail), graph
         assert {t: d["rule"] for t, d in detail.items() if d["rule"] != "entropy"} == \
             {t: f"max ({why})" for t, why in calibrated.items()}, graph
         assert run.res["int8"]["graphs"][graph]["exact_range_at_max"] == calibrated
@@ -234,32 +258,43 @@ def test_data_ranged_tensors_take_their_exact_max(run):
     assert float(w[free].max()) <= enc[t]["amax"] + 1e-6 and enc[t]["amax"] <= float(w.max()) + 1e-6
 
 
-def test_attention_products_stay_float_unless_asked(run, tmp_path):
-    """By default the products of two activations (the attention's Q Kt and A V) read no Q/DQ and
-    their inputs are not calibrated; with products=True (export.py --int8-attention) they read Q/DQ
-    on both inputs, and the attention weights among those take their exact max, at most 1."""
+def test_attention_products_and_pose_path_stay_float_unless_asked(run, tmp_path):
+    """By default the products of two activations (the attention's Q Kt and A V) and the pose-token
+    path read no Q/DQ and their inputs are not calibrated; with products=True (export.py
+    --int8-attention) the products read Q/DQ on both inputs, and the attention weights among those
+    take their exact max, at most 1; with pose=True (--int8-pose) the pose path reads Q/DQ, and the
+    motion input in front of it takes its exact max."""
     g = "world_step"
     m = onnx.load(str(run.out / f"{g}.onnx"))
     products, heads, prod = product_nodes(m) - head_nodes(m), head_nodes(m), producers(m)
     assert products and set(I.activation_products(m)) - heads == products
     assert run.res["int8"]["calibration"]["activation_products"] == "float"
+    assert run.res["int8"]["calibration"]["pose_path"] == "float"
+    pose = set(I.pose_path(m))
+    assert pose and not pose & (products | heads)
     softmax = {t for t in I.quantizable_inputs(m) if t in prod and prod[t].op_type == "Softmax"}
     assert softmax and all(n in products for t in softmax for n in I.quantizable_inputs(m)[t])
     for name in I.GRAPH_NAMES:
         shutil.copy(run.out / f"{name}.onnx", tmp_path / f"{name}.onnx")
-    res = I.int8_export(run.trained, tmp_path, 4, engine="onnxruntime", products=True, log=lambda s: None)
-    assert res["calibration"]["activation_products"] == "int8"
+    res = I.int8_export(run.trained, tmp_path, 4, engine="onnxruntime", products=True, pose=True,
+                        log=lambda s: None)
+    assert res["calibration"]["activation_products"] == "int8" and res["calibration"]["pose_path"] == "int8"
     for kind in (".int8", ".int8-ort"):
         q = onnx.load(str(tmp_path / f"{g}{kind}.onnx"))
         qprod = producers(q)
         for n in q.graph.node:
             if n.name in products:
                 assert all(qprod[t].op_type == "DequantizeLinear" for t in n.input[:2]), (kind, n.name)
+            if n.name in pose:
+                assert qprod[n.input[0]].op_type == "DequantizeLinear", (kind, n.name)
     detail = json.loads((tmp_path / f"{g}.calib.json").read_text())["tensors"]
     for t in softmax:
         assert detail[t]["rule"] == f"max (probabilities of {prod[t].name})", t
         assert 0 < detail[t]["amax"] == detail[t]["max"] <= 1.0 + 1e-6, t
-    assert res["graphs"][g]["nodes_quantized"] == run.res["int8"]["graphs"][g]["nodes_quantized"] + len(products)
+    (motion,) = [t for t, why in I.exact_range_tensors(m).items() if why.startswith("values of input")]
+    assert detail[motion]["rule"] == "max (values of input motion)" and detail[motion]["amax"] == detail[motion]["max"]
+    assert res["graphs"][g]["nodes_quantized"] == \
+        run.res["int8"]["graphs"][g]["nodes_quantized"] + len(products) + len(pose)
 
 
 def test_no_weight_is_calibrated_as_an_activation(run):

@@ -48,12 +48,12 @@ from wm.export.collect import TappedOrt, collect, windows
 from wm.export.qdq import cpu_copy, qdq_scales, quantize_qdq  # noqa: F401
 from wm.export.quantizable import (FLOAT_OP_TYPES, HEAD_SCOPES, QUANT_OP_TYPES, Int8Error, _load,  # noqa: F401
                                    _scope, activation_products, exact_range_tensors, output_heads,
-                                   quantizable_inputs)
+                                   pose_path, quantizable_inputs)
 from wm.export.report import CPU_INT8, GRAPHS as GRAPH_NAMES, accuracy_report, format_report, graph_files  # noqa: F401
 
 
 __all__ = ["FLOAT_OP_TYPES", "HEAD_SCOPES", "QUANT_OP_TYPES", "GRAPH_NAMES", "Int8Error", "quantizable_inputs",
-           "exact_range_tensors", "output_heads", "activation_products", "quantize_qdq", "qdq_scales", "int8_export",
+           "exact_range_tensors", "output_heads", "activation_products", "pose_path", "quantize_qdq", "qdq_scales", "int8_export",
            "accuracy_report", "format_report", "check_windows", "pick_engine", "run_int8"]
 
 
@@ -154,7 +154,8 @@ def pick_engine(engine: str = "auto", phase: str = "report") -> tuple[str, str]:
 
 def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_version: str = "10.3.0",
                 root=None, split: Optional[str] = None, method: str = "entropy",
-                exclude_scopes: Optional[str] = None, products: bool = False, workers: int = 0,
+                exclude_scopes: Optional[str] = None, products: bool = False, pose: bool = False,
+                workers: int = 0,
                 engine: str = "auto",
                 programs: Optional[Mapping] = None, log: Callable[[str], None] = print,
                 mark: Optional[Callable[[str], object]] = None,
@@ -170,7 +171,8 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
 
     `exclude_scopes`: a regex on module paths (e.g. r"\\.temporal\\.") whose Conv/MatMul nodes stay
     float as well. `products`: quantize the products of two activations (attention) too; by default
-    they stay float (quantizable.activation_products). `workers`: processes for the threshold search
+    they stay float (quantizable.activation_products). `pose`: quantize the world model's pose-token
+    path too (quantizable.pose_path; float by default). `workers`: processes for the threshold search
     (0: one per CPU, at most 16).
     `mark(phase)` is called at the end of each phase (export.py's per-phase memory peaks);
     `first_window(windows, seconds per window)` once the first calibration batch has run."""
@@ -193,7 +195,8 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
     models = {g: _load(out_dir / f"{g}.onnx") for g in GRAPH_NAMES}
     kept = kept_float(models, exclude_scopes)  # before the calibration's minutes: a wrong pattern is one line
     tensors = {g: quantizable_inputs(m) for g, m in models.items()}
-    floats = {g: {*output_heads(m), *kept[g], *(() if products else activation_products(m))} for g, m in models.items()}
+    floats = {g: {*output_heads(m), *kept[g], *(() if products else activation_products(m)),
+                  *(() if pose else pose_path(m))} for g, m in models.items()}
     # only the inputs of nodes that will be quantized are calibrated
     wanted = {g: [t for t, users in tensors[g].items() if any(u not in floats[g] for u in users)] for g in GRAPH_NAMES}
     ds, idx, _ = windows(trained, root, split, calib_windows, "--calib-windows", log)
@@ -230,7 +233,8 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
                            if method == "entropy" else method,
                            "trt_version": str(trt_version), "cache_header": f"TRT-{version}-EntropyCalibration2",
                            "kept_float": exclude_scopes or None,
-                           "activation_products": "int8" if products else "float"},
+                           "activation_products": "int8" if products else "float",
+                           "pose_path": "int8" if pose else "float"},
            "graphs": {}, "seconds": {"histograms": round(t_hist, 2)}}
     t_thr = t_qdq = 0.0
     for g in GRAPH_NAMES:
@@ -247,7 +251,7 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
         t3 = time.perf_counter()
         mark("int8_thresholds")
         info = quantize_qdq(out_dir / f"{g}.onnx", out_dir / f"{g}.int8.onnx", thresholds, nodes_to_exclude=kept[g],
-                            exclude_products=not products)
+                            exclude_products=not products, exclude_pose=not pose)
         converted = cpu_copy(out_dir / f"{g}.int8.onnx", out_dir / f"{g}{CPU_INT8}.onnx")
         scales = info["scales"]
         cache = out_dir / f"{g}.calib.cache"

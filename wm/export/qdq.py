@@ -42,7 +42,7 @@ from wm.errors import WMError
 from wm.export.calib import scale_from_amax
 from wm.export.onnx import save_checked
 from wm.export.quantizable import (FLOAT_OP_TYPES, QUANT_OP_TYPES, Int8Error, _data_input_slots, _load,
-                                   _one_line, activation_products, output_heads, quantizable_inputs)
+                                   _one_line, activation_products, output_heads, pose_path, quantizable_inputs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,14 +148,15 @@ def quantize_qdq(onnx_path, out_path, thresholds: Mapping[str, float],
                  exclude_op_types: Sequence[str] = FLOAT_OP_TYPES,
                  op_types: Sequence[str] = QUANT_OP_TYPES,
                  nodes_to_exclude: Sequence[str] = (), exclude_heads: bool = True,
-                 exclude_products: bool = True) -> dict:
+                 exclude_products: bool = True, exclude_pose: bool = True) -> dict:
     """Write a Q/DQ ONNX of `onnx_path` to `out_path` with OUR activation scales.
 
     Activations: per-tensor symmetric int8, scale = thresholds[name] / 127, zero point 0, for every
     data input of every `op_types` node that is quantized. Weights: per-channel symmetric int8.
     Bias: float. Stay float (no Q/DQ on any of their inputs): `exclude_op_types` and every other
     op, the output heads (:func:`output_heads`, if `exclude_heads`), the products of two activations
-    (:func:`activation_products`, if `exclude_products`), `nodes_to_exclude`, and any
+    (:func:`activation_products`, if `exclude_products`), the pose-token path (:func:`pose_path`, if
+    `exclude_pose`), `nodes_to_exclude`, and any
     op_types node with a data input that has no positive finite threshold. onnxruntime's
     quantizer does the graph work (:func:`_ort_qdq`); the result is re-read and checked (scales equal ours as
     float32, no float op reads a DQ output), checked with onnx.checker and written atomically.
@@ -175,6 +176,9 @@ def quantize_qdq(onnx_path, out_path, thresholds: Mapping[str, float],
         float_nodes.update(output_heads(model, op_types))
     if exclude_products:
         for name, why in activation_products(model, op_types).items():
+            float_nodes.setdefault(name, why)
+    if exclude_pose:
+        for name, why in pose_path(model, op_types).items():
             float_nodes.setdefault(name, why)
     for name in nodes_to_exclude:
         float_nodes.setdefault(name, "excluded by the caller")

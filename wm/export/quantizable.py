@@ -5,6 +5,7 @@
   data input;
 - :func:`output_heads`: the nodes that stay float because their values are the answer;
 - :func:`activation_products`: the matrix products of two activations (attention), float by default;
+- :func:`pose_path`: the layers of the world model's ego-motion tokens, one vector per frame, float by default;
 - :func:`exact_range_tensors`: the inputs whose range is the data's (they take their exact max).
 
 wm.export.qdq writes the Q/DQ graph from these.
@@ -32,6 +33,10 @@ _DECISION_OPS = ("ArgMax", "ArgMin", "TopK")
 # Heads by module path (the exporter's name scopes): what no reachability rule sees, e.g. the
 # world model's motion head, which feeds the next rollout step's pose MLP.
 HEAD_SCOPES = r"(^|\.)(out_conv|motion_head|dec_out|enc_out)(\.|$)"
+# The world model's pose-token path (by module path): layers that see one vector per frame, not one per
+# cell (the pose MLPs, each level's conditioning, the pose layers but for their keys/values of the cells).
+POSE_SCOPES = (r"(^|\.)(pose_in|enc_pose|mid_pose|dec_pose|pose_ups|cond)(\.|$)"
+               r"|(^|\.)pose\.\d+\.(qkv|proj1|q|proj2|ffn)(\.|$)")
 STATE_OUTPUTS = ("new_kv",)  # graph outputs that are state for the next call, not answers (output_heads)
 _FLOAT_TYPES = (1, 10, 11, 16)  # onnx.TensorProto FLOAT, FLOAT16, DOUBLE, BFLOAT16
 # Ops that only move values: a tensor seen through them after a table lookup is still the table's rows.
@@ -281,4 +286,21 @@ def activation_products(model, op_types: Sequence[str] = QUANT_OP_TYPES) -> dict
         if n.op_type in ("MatMul", "Gemm") and n.op_type in op_types and \
                 not any(_through(t, producer, (*_VIEW_OPS, "Cast")) in const for t in n.input[:2] if t):
             out[n.name] = "product of two activations (attention)"
+    return out
+
+
+def pose_path(model, op_types: Sequence[str] = QUANT_OP_TYPES, scopes: str = POSE_SCOPES) -> dict[str, str]:
+    """{node name: why} of the op_types nodes on the world model's pose-token path (module path
+    matches `scopes`). They stay float unless asked for: they work on one vector per frame, about
+    1/(h*w) of a step's arithmetic, so their INT8 saves no time, while their error reaches every
+    cell of the frame alike (each level's conditioning adds the pose tokens to every cell) and does
+    not average out over the cells as a per-cell error does."""
+    model = _load(model)
+    pat = re.compile(scopes)
+    out: dict[str, str] = {}
+    for n in model.graph.node:
+        if n.op_type in op_types:
+            sc = _scope(n)
+            if sc and pat.search(sc):
+                out[n.name] = f"ego-motion path, one vector per frame ({sc})"
     return out
