@@ -71,6 +71,9 @@ def export(argv, progress: dict) -> int:
     ap.add_argument("--out", help="output folder (default: <run>/export)")
     ap.add_argument("--fp16", action="store_true", help="also write FP16 graphs (inputs/outputs keep their types)")
     ap.add_argument("--max-batch", type=int, default=64, help="largest batch the graphs accept")
+    ap.add_argument("--world-max-batch", type=int, default=0,
+                    help="largest batch of world_step's TensorRT profile (default: --max-batch, less where "
+                         "its key/value cache would pass 8 GiB)")
     ap.add_argument("--int8", action="store_true",
                     help="also write INT8 Q/DQ graphs and TensorRT calibration caches, and report.json")
     ap.add_argument("--calib-windows", type=int, default=128,
@@ -116,7 +119,7 @@ def export(argv, progress: dict) -> int:
     import torch
 
     from wm.export.onnx import (OUTPUTS, WORLD_DIMS, compare, dynamic_shapes, example_inputs, export_graph, find_run,
-                                graphs, load_trained, world_profile)
+                                graphs, load_trained, world_max_batch, world_profile)
 
     t_start = time.perf_counter()
     torch.set_grad_enabled(False)
@@ -127,6 +130,9 @@ def export(argv, progress: dict) -> int:
     t = load_trained(run, a.ckpt)
     if a.batch < 1:
         raise WMError(f"--batch must be >= 1, got {a.batch}")
+    if not 0 <= a.world_max_batch <= a.max_batch:
+        raise WMError(f"--world-max-batch must be between 1 and --max-batch ({a.max_batch}), or 0 for its "
+                      f"default; got {a.world_max_batch}")
     if a.int8:
         from wm.export.int8 import check_windows
 
@@ -216,8 +222,13 @@ def export(argv, progress: dict) -> int:
         ex = example_inputs(t, 2, seed=2)  # made again: the world step's held the export's memory
         feeds = {name: {k: v.numpy() for k, v in ex[name].items()} for name in files}
         c = t.cfg
+        h, w = ex["world_step"]["codes"].shape[-2:]
+        top = a.world_max_batch or world_max_batch(c, h, w, a.max_batch)
+        if top < a.max_batch and not a.world_max_batch:
+            print(f"note: world_step's TensorRT profile goes to batch {top}, not {a.max_batch}: its key/value "
+                  f"cache at {c.world.max_frames} frames would pass 8 GiB beyond (--world-max-batch sets it)")
         report["tensorrt"] = deploy(files, feeds, max_batch=a.max_batch, opt_batch=1,
-                                    dims=world_profile(c))
+                                    dims=world_profile(c), max_batches={"world_step": top})
         secs["tensorrt"] = round(time.perf_counter() - t0, 2)
         peaks.mark("tensorrt")
     secs["total"] = round(time.perf_counter() - t_start, 2)

@@ -18,6 +18,7 @@ import os
 import sys
 import types
 from enum import IntEnum
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -617,6 +618,24 @@ def test_deploy_without_tensorrt_prints_why_and_trtexec(monkeypatch, runnable_on
     assert res["graphs"]["forecaster"] == {"onnx": runnable_onnx.name, "trtexec": want}
     assert lines == [f"TensorRT engines not built: {res['why']}. On the target machine run:", f"  {want}"]
     assert not engine.exists()
+    # a graph's own largest batch (world_step's, for its cache): its profile stops there
+    res = R.deploy({"forecaster": runnable_onnx}, {"forecaster": FEED}, max_batch=8, log=lines.append,
+                   max_batches={"forecaster": 3, "other": 1})
+    assert res["graphs"]["forecaster"]["trtexec"].endswith("--maxShapes=occ:3x3,x:3x2")
+
+
+def test_world_step_profile_batch_stops_where_its_cache_passes_8_gib():
+    """occworld: one window's cache rows are F = 16,324,096 float32 at each of max_frames = 16 slots,
+    read and returned: 2 * 16 * 16324096 * 4 B = 1.95 GiB, so 8 GiB holds 4 windows; the demo's
+    279,040-wide rows (35.7 MB a window) leave --max-batch 64 as it is."""
+    from wm.config import load
+    from wm.export.onnx import world_max_batch
+
+    c = load(str(Path(__file__).resolve().parents[1] / "configs" / "occworld.json"), [])
+    assert world_max_batch(c, 50, 50, 64) == 4 == int(8 * 2**30 // (2 * 16 * 16324096 * 4))
+    assert world_max_batch(c, 50, 50, 2) == 2 and world_max_batch(c, 50, 50, 64, cache_gib=1.0) == 1
+    demo = load(str(Path(__file__).resolve().parents[1] / "configs" / "demo.json"), [])
+    assert world_max_batch(demo, 32, 32, 64) == 64
 
 
 def test_deploy_builds_runs_compares_by_name_and_times(trt, runnable_onnx):

@@ -209,6 +209,17 @@ def world_profile(cfg) -> dict[str, tuple[int, int, int]]:
     return {"new": (1, 1, M), "frames": (1, span, M), "slots": (1, span, M)}
 
 
+def world_max_batch(cfg, h: int, w: int, max_batch: int, cache_gib: float = 8.0) -> int:
+    """The largest batch of world_step's TensorRT profile: `max_batch`, less where the key/value
+    cache at max_frames frames, read (kv) and returned (new_kv), each (B, max_frames, F) float32,
+    would pass `cache_gib`: TensorRT sizes an engine's memory for its profile's largest shapes, and
+    at the `occworld` size one window's cache is 1 GiB (at 64 windows an engine no GPU holds)."""
+    from wm.world import kv_row_width
+
+    per_window = 2 * cfg.world.max_frames * kv_row_width(cfg.world, cfg.tokenizer.codebook_size, h, w) * 4
+    return max(1, min(int(max_batch), int(cache_gib * 2**30 // per_window)))
+
+
 def graphs(t: Trained) -> dict[str, nn.Module]:
     """{graph name: the module whose forward is exactly what the graph computes}."""
     return {"tokenizer_encode": Encode(t.tokenizer).eval(), "world_step": WorldStep(t.world).eval(),

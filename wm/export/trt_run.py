@@ -182,11 +182,12 @@ def _agreement(got, ref) -> dict:
 
 def deploy(onnx_files: Mapping[str, Path], feeds: Mapping[str, Mapping[str, Any]], *, max_batch: int,
            opt_batch: int = 1, log: Callable[[str], None] = print, timing_iters: int = 50,
-           dims: Mapping[str, Sequence[int]] | None = None) -> dict:
+           dims: Mapping[str, Sequence[int]] | None = None,
+           max_batches: Mapping[str, int] | None = None) -> dict:
     """`export.py`'s TensorRT step for each `{graph name: ONNX file}` (the Q/DQ ONNX for INT8).
 
     Where TensorRT and a GPU are here: build a strongly typed engine `<file stem>.engine` next to the
-    ONNX (batch profile 1 / `opt_batch` / `max_batch`), run it on `feeds[name]` (numpy arrays, as
+    ONNX (batch profile 1 / `opt_batch` / `max_batch`, or `max_batches[name]` where given), run it on `feeds[name]` (numpy arrays, as
     onnxruntime takes them) with torch CUDA tensors as buffers, compare every output with
     onnxruntime running the same ONNX, and time it at batch 1 and at the feed's batch. Otherwise log
     one line saying why and the `trtexec` line of each graph for the target machine. Returns a
@@ -200,7 +201,8 @@ def deploy(onnx_files: Mapping[str, Path], feeds: Mapping[str, Mapping[str, Any]
         log(f"TensorRT engines not built: {why}. On the target machine run:")
         for name, path in onnx_files.items():
             engine = Path(path).with_suffix(".engine")
-            cmd = trtexec_command(path, engine, onnx_profile_shapes(path, 1, opt_batch, max_batch, dims))
+            top = (max_batches or {}).get(name, max_batch)
+            cmd = trtexec_command(path, engine, onnx_profile_shapes(path, 1, min(opt_batch, top), top, dims))
             res["graphs"][name] = {"onnx": Path(path).name, "trtexec": cmd}
             log(f"  {cmd}")
         return res
@@ -210,7 +212,8 @@ def deploy(onnx_files: Mapping[str, Path], feeds: Mapping[str, Mapping[str, Any]
     for name, path in onnx_files.items():
         path = Path(path)
         engine = path.with_suffix(".engine")
-        info = build_engine(path, engine, min_batch=1, opt_batch=opt_batch, max_batch=max_batch, dims=dims)
+        top = (max_batches or {}).get(name, max_batch)
+        info = build_engine(path, engine, min_batch=1, opt_batch=min(opt_batch, top), max_batch=top, dims=dims)
         runner = TrtRunner(engine)
         feed = {k: np.ascontiguousarray(v) for k, v in feeds[name].items()}
         full = {k: torch.from_numpy(v) for k, v in feed.items()}
