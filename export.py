@@ -225,8 +225,8 @@ def export(argv, progress: dict) -> int:
         h, w = ex["world_step"]["codes"].shape[-2:]
         top = a.world_max_batch or world_max_batch(c, h, w, a.max_batch)
         if top < a.max_batch and not a.world_max_batch:
-            print(f"note: world_step's TensorRT profile goes to batch {top}, not {a.max_batch}: its key/value "
-                  f"cache at {c.world.max_frames} frames would pass 8 GiB beyond (--world-max-batch sets it)")
+            print(f"note: world_step's TensorRT profile goes to batch {top}, not {a.max_batch}: beyond it its "
+                  f"key/value cache of {c.world.max_frames} frames passes 8 GiB (--world-max-batch sets it)")
         report["tensorrt"] = deploy(files, feeds, max_batch=a.max_batch, opt_batch=1,
                                     dims=world_profile(c), max_batches={"world_step": top})
         secs["tensorrt"] = round(time.perf_counter() - t0, 2)

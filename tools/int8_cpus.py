@@ -15,7 +15,8 @@ three ways on the inputs of real rollouts and reports, per graph, how many outpu
     python tools/int8_cpus.py --run runs/occworld --windows 1 --graphs world_step              # its INT8 graph only
 
 Both INT8 files are run: `.int8-ort.onnx` (onnxruntime's copy: the same values as uint8 with zero
-point 128, exact on every x86 CPU) and `.int8.onnx` (TensorRT's: int8, which onnxruntime's kernels
+point 128, whose integer products are exact on every x86 CPU; its float layers differ by CPU class
+in the last bits, as an FP32 model's do) and `.int8.onnx` (TensorRT's: int8, which onnxruntime's kernels
 without VNNI saturate). The rollouts run
 natively through the export's host loop (onnxruntime's kernels, `.int8-ort.onnx`), every graph call's
 inputs are saved, and each way runs them all again in one process that imports only numpy and
