@@ -653,6 +653,11 @@ def test_deploy_builds_runs_compares_by_name_and_times(trt, runnable_onnx):
     assert set(g["latency_ms"]) == {"batch1", "batch2"}
     assert lines[0] == f"TensorRT engines ({res['why']}):"
     assert "forecaster.int8.engine" in lines[1] and "classes 0.6667" in lines[1]
+    # a graph's own largest batch under the feed's: the profile and the check stop there
+    res = R.deploy({"forecaster": runnable_onnx}, {"forecaster": FEED}, max_batch=8, opt_batch=2,
+                   log=lines.append, timing_iters=3, max_batches={"forecaster": 1})
+    assert engine_json(engine)["profiles"] == [{"occ": [[1, 3], [1, 3], [1, 3]], "x": [[1, 2], [1, 2], [1, 2]]}]
+    assert set(res["graphs"]["forecaster"]["latency_ms"]) == {"batch1"}
 
 
 def test_export_cli_without_tensorrt_prints_the_trtexec_line_of_each_graph(tiny_export):

@@ -187,8 +187,9 @@ def deploy(onnx_files: Mapping[str, Path], feeds: Mapping[str, Mapping[str, Any]
     """`export.py`'s TensorRT step for each `{graph name: ONNX file}` (the Q/DQ ONNX for INT8).
 
     Where TensorRT and a GPU are here: build a strongly typed engine `<file stem>.engine` next to the
-    ONNX (batch profile 1 / `opt_batch` / `max_batch`, or `max_batches[name]` where given), run it on `feeds[name]` (numpy arrays, as
-    onnxruntime takes them) with torch CUDA tensors as buffers, compare every output with
+    ONNX (batch profile 1 / `opt_batch` / `max_batch`, or `max_batches[name]` where given), run it
+    on `feeds[name]` (numpy arrays, as onnxruntime takes them; no more windows than the profile
+    takes) with torch CUDA tensors as buffers, compare every output with
     onnxruntime running the same ONNX, and time it at batch 1 and at the feed's batch. Otherwise log
     one line saying why and the `trtexec` line of each graph for the target machine. Returns a
     JSON-ready dict; a build or run that fails raises TrtError (one line)."""
@@ -215,7 +216,7 @@ def deploy(onnx_files: Mapping[str, Path], feeds: Mapping[str, Mapping[str, Any]
         top = (max_batches or {}).get(name, max_batch)
         info = build_engine(path, engine, min_batch=1, opt_batch=min(opt_batch, top), max_batch=top, dims=dims)
         runner = TrtRunner(engine)
-        feed = {k: np.ascontiguousarray(v) for k, v in feeds[name].items()}
+        feed = {k: np.ascontiguousarray(v[:top]) for k, v in feeds[name].items()}
         full = {k: torch.from_numpy(v) for k, v in feed.items()}
         got = runner(**full)
         # a Q/DQ file's reference is its ONNX semantics, not a CPU's integer kernels
