@@ -41,6 +41,7 @@ def test_a_copy_rebuilt_from_the_export_thresholds_computes_what_the_exported_fi
                                                                                       tmp_path):
     """The variants start from the export's own thresholds and float set: with nothing more kept
     float, the rebuilt copy's rollout equals the exported .int8-ort.onnx's, code for code."""
+    from wm.export.int8 import kept_float
     from wm.export.onnx import load_trained
 
     T = _tool()
@@ -53,7 +54,8 @@ def test_a_copy_rebuilt_from_the_export_thresholds_computes_what_the_exported_fi
     common = {"fp32": str(out / "world_step.onnx"), "products": False, "pose": False, "work": str(tmp_path), "feeds": str(feeds),
               "cfg": trained.cfg, "steps": 2, "threads": 1,
               "thresholds": {t: v["amax"] for t, v in calib.items()},
-              "exclude": T._kept_here(onnx.load(str(out / "world_step.onnx")), kept)}
+              "exclude": kept_float({"world_step": onnx.load(str(out / "world_step.onnx"))}, kept,
+                                    require_match=False)["world_step"]}
     _, rebuilt, _ = T._variant({**common, "name": "rebuilt", "file": None})
     _, exported, _ = T._variant({**common, "name": "exported", "file": str(out / "world_step.int8-ort.onnx")})
     assert rebuilt.shape == (4, 2, *rebuilt.shape[2:])
@@ -67,7 +69,6 @@ def test_sensitivity_tool_keeps_groups_float_until_the_codes_equal_the_fp32_file
     the set found agrees on every code; its pattern names exactly its groups' layers."""
     from wm.export.int8 import kept_float
 
-    T = _tool()
     js = tmp_path / "s.json"
     p = _run("--run", trained_tiny.run_dir(), "--export", tiny_export.out, "--windows", 3, "--steps", 2,
              "--max-groups", 99, "--target", 1, "--workers", 2, "--threads", 1, "--json", js)
@@ -82,7 +83,8 @@ def test_sensitivity_tool_keeps_groups_float_until_the_codes_equal_the_fp32_file
     chosen = d["together"][first]["groups"]
     fp32 = onnx.load(str(tiny_export.out / "world_step.onnx"))
     named = kept_float({"world_step": fp32}, d["int8_float"])["world_step"]
-    assert len(named) == sum(groups[k]["nodes"] for k in chosen) + len(T._kept_here(fp32, d["kept_float"]))
+    before = kept_float({"world_step": fp32}, d["kept_float"], require_match=False)["world_step"]
+    assert len(named) == sum(groups[k]["nodes"] for k in chosen) + len(before)
     assert f"--int8-float '{d['int8_float']}'" in p.stdout and "as exported" in p.stdout
     assert not list(subprocess_tmpdir.glob("wm-int8-sensitivity-*"))  # its copies and feeds are gone
 

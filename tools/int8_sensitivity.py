@@ -193,6 +193,7 @@ def main(argv=None) -> int:
 
     import onnx
 
+    from wm.export.int8 import kept_float
     from wm.export.onnx import load_trained
 
     trained = load_trained(a.run)
@@ -216,7 +217,8 @@ def main(argv=None) -> int:
     if not groups:
         raise WMError(f"{need[1]} quantizes no layer with a module path; nothing to look for")
     total_w = sum(g["weights"] for g in groups.values()) or 1
-    base_float = _kept_here(fp32, kept)
+    # what the export kept float by its --int8-float pattern (e.g. the tokenizer's: none of this graph)
+    base_float = kept_float({GRAPH: fp32}, kept, require_match=False)[GRAPH]
     del fp32, int8
 
     cores = os.cpu_count() or 1
@@ -296,17 +298,6 @@ def main(argv=None) -> int:
                "seconds_total": round(time.perf_counter() - t0, 2)}
         Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
-
-
-def _kept_here(fp32, kept) -> list[str]:
-    """The world step's nodes the export kept float by its --int8-float pattern (none if it names
-    no layer of this graph)."""
-    if not kept:
-        return []
-    from wm.export.quantizable import QUANT_OP_TYPES, _scope
-
-    pat = re.compile(kept)
-    return [n.name for n in fp32.graph.node if n.op_type in QUANT_OP_TYPES and pat.search(_scope(n))]
 
 
 if __name__ == "__main__":

@@ -324,10 +324,10 @@ def time_estimate(calib: int, evals: int, rows: int, sec: float, budget_s: float
     return line
 
 
-def kept_float(models: Mapping, exclude_scopes: Optional[str]) -> dict[str, list[str]]:
+def kept_float(models: Mapping, exclude_scopes: Optional[str], require_match: bool = True) -> dict[str, list[str]]:
     """{graph: names of its Conv/MatMul/Gemm nodes whose module path matches `exclude_scopes`} (they
-    stay float). A pattern that is no regular expression, or that matches none of those nodes in any
-    graph, is refused with the module paths there are."""
+    stay float). A pattern that is no regular expression, or (with `require_match`) that matches none
+    of those nodes in any graph, is refused with the module paths there are."""
     if not exclude_scopes:
         return {g: [] for g in models}
     try:
@@ -336,7 +336,7 @@ def kept_float(models: Mapping, exclude_scopes: Optional[str]) -> dict[str, list
         raise Int8Error(f"--int8-float {exclude_scopes!r} is no regular expression ({e})") from None
     ops = {g: [n for n in m.graph.node if n.op_type in QUANT_OP_TYPES] for g, m in models.items()}
     kept = {g: [n.name for n in nodes if pat.search(_scope(n))] for g, nodes in ops.items()}
-    if not any(kept.values()):
+    if require_match and not any(kept.values()):
         paths = sorted({_scope(n) for nodes in ops.values() for n in nodes} - {""})
         raise Int8Error(f"--int8-float {exclude_scopes!r} matches no convolution or matrix product; module "
                         f"paths are e.g. {', '.join(paths[:6])} ({len(paths)} in all)")
