@@ -250,7 +250,7 @@ def main(argv=None) -> int:
             gain = {k: [x - y for x, y in zip(agree[f"float: {k}"], base)] for k in groups}
             order = sorted(groups, key=lambda k: (-gain[k][0], -sum(gain[k])))
             cum = {1: agree[f"float: {order[0]}"]}
-            more = [job(f"together: {i}", extra=[n for k in order[:i] for n in groups[k]["nodes"]])
+            more = [job(f"together: {i}", extra=[node for k in order[:i] for node in groups[k]["nodes"]])
                     for i in range(2, min(a.max_groups, len(order)) + 1)]
             for name, codes, sec in pool.map(_variant, more):
                 cum[int(name.split(": ")[1])] = _agree(codes, ref)

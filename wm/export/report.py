@@ -84,8 +84,9 @@ def rollout_workers(cpus: Optional[int] = None) -> int:
     """onnxruntime sessions that roll out the INT8 files side by side (engine torch), each on its
     share of the cores: one per 4 cores (one session's 32 threads ran the occworld world step at less
     than half the rate of 8 sessions of 4), at most 3: at the occworld size one session's rollout
-    (a window's key/value cache, the graph's copies of it, the activations) peaked 1.5 to 1.9 GiB
-    above the process, beside about 2.5 GiB of the export's own, within the 8 GiB an export may use."""
+    (a window's key/value cache, the graph's copies of it, the activations) peaked 1.9 GiB above the
+    process and four side by side 5.75 GiB, beside about 2.5 GiB of the export's own, where an export
+    may use 8 GiB."""
     return max(1, min(3, (cpus or os.cpu_count() or 1) // 4))
 
 
