@@ -110,6 +110,10 @@ def export(argv, progress: dict) -> int:
     ap.add_argument("--parity-windows", type=int, default=2,
                     help="with the torch engine: windows the report also runs through the FP32 files in "
                          "onnxruntime, for their parity with PyTorch")
+    ap.add_argument("--host-memory-gib", type=float, default=8.0,
+                    help="with the torch engine: the INT8 report's onnxruntime rollouts (about 2 GiB each at "
+                         "the occworld size) run side by side only as far as this much host memory allows "
+                         "beside the export's own")
     ap.add_argument("--trt-version", default="10.3.0", help="TensorRT version in the calibration cache header")
     ap.add_argument("--no-trt", action="store_true",
                     help="skip the TensorRT step (by default: engines where TensorRT and a GPU are "
@@ -130,6 +134,9 @@ def export(argv, progress: dict) -> int:
     t = load_trained(run, a.ckpt)
     if a.batch < 1:
         raise WMError(f"--batch must be >= 1, got {a.batch}")
+    if not a.host_memory_gib > 0:
+        raise WMError(f"--host-memory-gib must be > 0 (GiB of host memory for the INT8 report), "
+                      f"got {a.host_memory_gib}")
     if not 0 <= a.world_max_batch <= a.max_batch:
         raise WMError(f"--world-max-batch must be between 1 and --max-batch ({a.max_batch}), or 0 for its "
                       f"default; got {a.world_max_batch}")
@@ -205,7 +212,7 @@ def export(argv, progress: dict) -> int:
         full = run_int8(t, out, a.calib_windows, a.eval_windows, batch=a.batch, trt_version=a.trt_version,
                         engine=a.engine, programs=programs, parity_windows=a.parity_windows, mark=mark,
                         budget_s=60 * a.time_budget, method=a.calib_method, exclude_scopes=a.int8_float,
-                        products=a.int8_attention, pose=a.int8_pose)
+                        products=a.int8_attention, pose=a.int8_pose, memory_gib=a.host_memory_gib)
         report["int8"] = full["int8"]
         secs.update({f"int8_{k}": v for k, v in full["int8"]["seconds"].items() if k != "total"})
     if not a.no_trt:

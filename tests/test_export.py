@@ -129,7 +129,10 @@ def test_bad_input_is_one_line_and_writes_nothing(trained, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     assert "cannot write the export folder" in one_line_error(export("--run", str(run), "--out", str(blocker / "sub")))
-    for d in ("o1", "o2"):
+    # a host memory budget of nothing
+    assert "--host-memory-gib must be > 0" in one_line_error(export("--run", str(run), "--host-memory-gib", "0",
+                                                                    "--out", str(tmp_path / "o3")))
+    for d in ("o1", "o2", "o3"):
         assert not (tmp_path / d).exists() or not list((tmp_path / d).glob("*.onnx"))
 
 
@@ -304,6 +307,55 @@ def test_phase_peaks_name_the_phase_that_used_the_memory():
     assert d["phase_peak_gib"]["big"] >= 1.0 and d["host_peak_gib"] == d["phase_peak_gib"]["big"]
     if d["method"].startswith("VmHWM"):
         assert d["phase_peak_gib"]["small"] < d["phase_peak_gib"]["big"] - 0.5
+
+
+def test_memory_gate_runs_side_by_side_only_what_fits_the_budget():
+    """Jobs that each hold 256 MiB: the first runs alone and is measured; then as many run at once as
+    fit beside the process in the budget (the gate's floor of room / one job, hand-checked), never
+    more, and at least one where even one does not fit. Its resets of the high-water mark keep the
+    phase's peak for PhasePeaks."""
+    import threading
+    import time
+
+    import numpy as np
+
+    from wm.export.memory import MemoryGate, PhasePeaks, _rss_gib
+
+    if _rss_gib() is None:
+        pytest.skip("no /proc/self/status here: the gate lets every job run, unmeasured")
+    lock, now, most_seen, order = threading.Lock(), [0], [0], []
+
+    def job(i):
+        with lock:
+            now[0] += 1
+            most_seen[0] = max(most_seen[0], now[0])
+            order.append((i, now[0]))
+        a = np.ones(2**25)  # 256 MiB, touched
+        time.sleep(0.2)
+        del a
+        with lock:
+            now[0] -= 1
+        return i
+
+    peaks, start = PhasePeaks(), _rss_gib()
+    for room_jobs, want in ((100, 4), (2.5, 2), (0.2, 1)):
+        base = _rss_gib()
+        gate = MemoryGate(4, base + room_jobs * 0.25)
+        seen = []
+        threads = [threading.Thread(target=lambda i=i: seen.append(gate.run(job, i))) for i in range(8)]
+        now[0], most_seen[0] = 0, 0
+        order.clear()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(seen) == list(range(8))
+        assert 0.24 <= gate.job_gib < 0.35, gate.job_gib
+        assert gate.allowed == max(1, min(4, int((gate.budget_gib - gate.base_gib) // gate.job_gib)))
+        assert gate.allowed == want, (room_jobs, gate.job_gib, gate.base_gib, gate.allowed)
+        assert order[0][1] == 1 and most_seen[0] <= gate.allowed  # the first alone, then never more than allowed
+    if peaks.per_phase:  # four jobs at once (the first round), before the later rounds' resets
+        assert peaks.mark("gated") >= start + 4 * 0.25 - 0.02
 
 
 @pytest.mark.slow

@@ -541,10 +541,17 @@ def test_int8_float_keeps_the_matching_nodes_float_and_refuses_a_bad_pattern(run
         if i.name == w:
             i.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(i) ^ np.int8(1), w))
     onnx.save(q, str(tmp_path / "world_step.int8.onnx"))
+    # a host memory budget that holds no second rollout beside the process: one at a time, said so
+    lines = []
     acc = accuracy_report(run.trained, tmp_path, 2, batch=2, engine="torch", device="cpu", parity_windows=0,
-                          log=lambda s: None)
+                          log=lines.append, workers=2, memory_gib=0.01)
     assert acc["models"]["onnx_int8"]["engine"] == (
-        "onnxruntime cpu, Q/DQ as float ops, on the .int8.onnx files of world_step; the rest torch cpu FP32")
+        "onnxruntime cpu, Q/DQ as float ops (one session at a time: the host memory budget held no second), "
+        "on the .int8.onnx files of world_step; the rest torch cpu FP32")
+    s = acc["int8_sessions"]
+    if s["one_rollout_gib"] is not None:  # measured (Linux)
+        assert s["side_by_side"] == 1 and s["most"] == 2 and s["budget_gib"] == 0.01 and s["process_gib"] > 0.01
+        assert any(x.startswith("report: one INT8 rollout held ") and "1 side by side (not 2)" in x for x in lines)
 
 
 def test_torch_engine_report_runs_the_int8_files_and_holds_fp32_parity(run):
@@ -566,6 +573,7 @@ def test_torch_engine_report_runs_the_int8_files_and_holds_fp32_parity(run):
     # the copy holds the TensorRT file's values: one rollout gives both rows
     assert acc["models"]["onnx_int8"]["engine"] == ("the onnx_int8_ort rollout (its .int8-ort.onnx files hold "
                                                      "these files' values)")
+    assert acc["int8_sessions"]["side_by_side"] == 2 and acc["int8_sessions"]["budget_gib"] == 8.0
     ort = accuracy_report(run.trained, run.out, 4, batch=2, engine="onnxruntime", rows=["onnx_int8_ort"],
                           log=lambda s: None)
     for v in ("onnx_int8", "onnx_int8_ort"):

@@ -346,14 +346,16 @@ def kept_float(models: Mapping, exclude_scopes: Optional[str], require_match: bo
 def run_int8(trained, out_dir, calib_windows: int = 128, eval_windows: int = 64, batch: int = 2,
              trt_version: str = "10.3.0", log: Callable[[str], None] = print, engine: str = "auto",
              programs: Optional[Mapping] = None, parity_windows: int = 2,
-             mark: Optional[Callable[[str], object]] = None, budget_s: float = 0.0, **kw) -> dict:
+             mark: Optional[Callable[[str], object]] = None, budget_s: float = 0.0, memory_gib: float = 8.0,
+             **kw) -> dict:
     """`export.py --int8` after the FP32 (and FP16) export into `out_dir`: int8_export (Q/DQ ONNX +
     calibration caches of every graph), accuracy_report on the VAL split, `report.json` written
     atomically, the table printed through `log`. Returns what report.json holds: {"checkpoint",
     "data_fingerprint", "int8": int8_export's dict, "accuracy": accuracy_report's dict}.
 
     `budget_s` (> 0): stop after the first calibration batch, with the window counts that fit,
-    when the estimate is over it. `kw` goes to int8_export (root, split, method, exclude_scopes,
+    when the estimate is over it. `memory_gib`: the report's host memory budget (accuracy_report).
+    `kw` goes to int8_export (root, split, method, exclude_scopes,
     workers)."""
     out_dir = Path(out_dir)
     _, ev, _ = windows(trained, kw.get("root"), trained.cfg.data.val_split, eval_windows, "--eval-windows",
@@ -372,7 +374,7 @@ def run_int8(trained, out_dir, calib_windows: int = 128, eval_windows: int = 64,
     eng, dev = pick_engine(engine, "report")
     t0 = time.perf_counter()
     rep = accuracy_report(trained, out_dir, eval_windows, batch=batch, root=kw.get("root"), engine=eng,
-                          device=dev, parity_windows=parity_windows, log=log)
+                          device=dev, parity_windows=parity_windows, log=log, memory_gib=memory_gib)
     parity_s = rep.get("parity", {}).get("seconds", 0.0)  # onnxruntime on the CPU: its own phase
     q["seconds"]["report"] = round(time.perf_counter() - t0 - parity_s, 2)
     if parity_s:

@@ -16,7 +16,9 @@ Rows (IoU / mIoU in percent per future step, averaged; drops against PyTorch FP3
   holds none (kept float by ``export.py --int8-float``, by default the tokenizer's) is the FP32
   graph, run by PyTorch FP32 on the GPU. Those rollouts go window by window to `workers` threads,
   each with its own onnxruntime sessions on its share of the cores (one session's many threads
-  scale badly), while the GPU computes the other rows. Where both INT8 files hold the same values (export.py
+  scale badly), while the GPU computes the other rows; the first rollout runs alone, and its
+  measured peak sets how many run side by side within the host memory budget (`memory_gib`,
+  wm.export.memory.MemoryGate). Where both INT8 files hold the same values (export.py
   writes them so), one rollout serves both rows: summing int8 products exactly, as TensorRT's
   int8 kernels do. ``parity`` runs the FP32 files in onnxruntime on the first `parity_windows`
   windows, after the report's windows, and gives their voxel agreement with PyTorch FP32;
@@ -81,27 +83,27 @@ def ort_row(out_dir: Path, row: str, threads: int = 0):
 
 
 def rollout_workers(cpus: Optional[int] = None) -> int:
-    """onnxruntime sessions that roll out the INT8 files side by side (engine torch), each on its
-    share of the cores: one per 4 cores (one session's 32 threads ran the occworld world step at less
-    than half the rate of 8 sessions of 4), at most 3: at the occworld size one session's rollout
-    (a window's key/value cache, the graph's copies of it, the activations) peaked 1.9 GiB above the
-    process and four side by side 5.75 GiB, beside about 2.5 GiB of the export's own, where an export
-    may use 8 GiB."""
+    """The most onnxruntime sessions that roll out the INT8 files side by side (engine torch), each
+    on its share of the cores: one per 4 cores (one session's 32 threads ran the occworld world step
+    at less than half the rate of 8 sessions of 4), at most 3; fewer where the host memory budget
+    holds fewer (MemoryGate: at the occworld size one rollout holds about 2 GiB)."""
     return max(1, min(3, (cpus or os.cpu_count() or 1) // 4))
 
 
 class PerThread:
     """A RunGraph made anew, by `make()`, in each thread that calls it: onnxruntime sessions that
-    run side by side, each on its own threads, where one session's many threads scale badly."""
+    run side by side, each on its own threads, where one session's many threads scale badly. Made
+    anew too when `key()` changes (the sessions' thread count, once the memory gate has measured)."""
 
-    def __init__(self, make: Callable[[], Callable]):
-        self.make, self.local = make, threading.local()
+    def __init__(self, make: Callable[[], Callable], key: Callable[[], object] = lambda: None):
+        self.make, self.key, self.local = make, key, threading.local()
 
     def __call__(self, name: str, *inputs: torch.Tensor) -> tuple:
-        run = getattr(self.local, "run", None)
-        if run is None:
-            run = self.local.run = self.make()
-        return run(name, *inputs)
+        key = self.key()
+        if getattr(self.local, "key", None) != key or getattr(self.local, "run", None) is None:
+            self.local.run, self.local.key = None, key  # the old sessions go before the new ones are made
+            self.local.run = self.make()
+        return self.local.run(name, *inputs)
 
 
 def _num(x):
@@ -160,9 +162,13 @@ def _rollout(run: Callable, cfg, args) -> tuple[torch.Tensor, float]:
     return forecast(run, cfg, *args).cpu(), time.perf_counter() - t0
 
 
-def _engines(trained, out_dir: Path, engine: str, device, workers: int = 1) -> dict[str, tuple[Callable, str]]:
+SIDE = "<side>"  # in a row's description: how many sessions ran side by side, filled in at the end
+
+
+def _engines(trained, out_dir: Path, engine: str, device, gate=None) -> dict[str, tuple[Callable, str]]:
     """{row: (run_graph, what runs it)} for the rows this engine computes; with engine torch the
-    INT8 files' rollouts are PerThread, for `workers` threads side by side."""
+    INT8 files' rollouts are PerThread, as many side by side as `gate` (a MemoryGate) lets run, each
+    session on cores / that many threads."""
     from wm.export.forecast import TorchGraphs
     from wm.export.onnx import graphs
     from wm.export.qdq import same_values
@@ -191,11 +197,14 @@ def _engines(trained, out_dir: Path, engine: str, device, workers: int = 1) -> d
     quantized = [g for g in GRAPHS if is_quantized(models["onnx_int8_ort"][g])]
     rest = [g for g in GRAPHS if g not in quantized]
     where = (f"; {', '.join(rest)} (no quantized node) torch {dev.type} FP32" if rest else "")
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    side = f" ({workers} sessions side by side, {threads} thread{'s' * (threads > 1)} each)" if workers > 1 else ""
+    side = SIDE if gate is not None and gate.most > 1 else ""
+
+    def threads() -> int:  # 0: onnxruntime's own choice, every core
+        n = gate.allowed if gate is not None else 1
+        return max(1, (os.cpu_count() or 1) // n) if n > 1 else 0
 
     def files_of(row, these):  # each thread its own sessions of the row's files, PyTorch FP32 for the rest
-        return PerThread(lambda: Mixed(ort_row(out_dir, row, threads if workers > 1 else 0), fp32, these, dev))
+        return PerThread(lambda: Mixed(ort_row(out_dir, row, threads()), fp32, these, dev), key=threads)
 
     rows["onnx_int8_ort"] = (files_of("onnx_int8_ort", quantized),
                              f"onnxruntime cpu int8 kernels{side} on the {CPU_INT8}.onnx files of "
@@ -221,13 +230,15 @@ def _engines(trained, out_dir: Path, engine: str, device, workers: int = 1) -> d
 def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4, root=None,
                     split: Optional[str] = None, engine: str = "onnxruntime", device="cpu",
                     parity_windows: int = 2, log: Callable[[str], None] = print,
-                    rows: Optional[Sequence[str]] = None, workers: int = 0) -> dict:
+                    rows: Optional[Sequence[str]] = None, workers: int = 0, memory_gib: float = 8.0) -> dict:
     """IoU / mIoU (percent) per future step on `held_out_windows` windows (0: all) of the run's VAL
     split, evenly spread; see the module docstring for the rows. `rows`: only these
     rows besides pytorch_fp32 and copy_last (default: every row the engine has files for). `workers`:
-    with engine torch, the INT8 rollouts' threads side by side (0: rollout_workers()). JSON-ready."""
+    with engine torch, the most INT8 rollouts side by side (0: rollout_workers()), as many as fit
+    beside the process in `memory_gib` of host memory once the first has been measured. JSON-ready."""
     from wm.export.collect import Progress, batches, windows
     from wm.export.forecast import TorchGraphs, forecast
+    from wm.export.memory import MemoryGate
     from wm.metrics import ConfusionMatrix, copy_last
 
     out_dir = Path(out_dir)
@@ -242,7 +253,14 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
                 raise Int8Error(f"{f} does not exist; run the INT8 step (export.py --int8) first")
     only = rows
     workers = max(1, int(workers or rollout_workers()))
-    rows = _engines(trained, out_dir, engine, device, workers)
+
+    def measured(g) -> None:
+        if g.allowed < g.most:
+            log(f"report: one INT8 rollout held {g.job_gib:.1f} GiB beside the process's {g.base_gib:.1f} GiB: "
+                f"{g.allowed} side by side (not {g.most}) to stay within {g.budget_gib:g} GiB of host memory")
+
+    gate = MemoryGate(workers, memory_gib, measured) if engine == "torch" else None
+    rows = _engines(trained, out_dir, engine, device, gate)
     if only is not None:
         bad = sorted(set(only) - set(rows) - {"pytorch_fp32"})
         if bad:
@@ -267,7 +285,7 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
     prog = Progress("report", len(idx), "windows", log)
     # with a GPU the INT8 rollouts (onnxruntime on the CPU) run window by window in `workers` threads,
     # while the GPU computes the other rows of the next batches; batches are scored in order
-    pool = ThreadPoolExecutor(workers) if engine == "torch" else None
+    pool = ThreadPoolExecutor(workers) if gate is not None else None
     runs = {id(run): run for run, _ in rows.values()}  # rows that share one engine share its rollout
     cpu_side = {k for k, r in runs.items() if pool and not isinstance(r, TorchGraphs)}
     pending: deque = deque()
@@ -305,8 +323,8 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
         for b in batches(ds, idx, int(batch)):
             occ, motion = b["occ"], b["motion"]
             args = (occ[:, :P], motion[:, :P], motion[:, P:] if given else None)
-            later = {k: [pool.submit(_rollout, runs[k], cfg, [a[i:i + 1] if a is not None else None for a in args])
-                         for i in range(len(occ))] for k in cpu_side}
+            one = [[a[i:i + 1] if a is not None else None for a in args] for i in range(len(occ))]
+            later = {k: [pool.submit(gate.run, _rollout, runs[k], cfg, w) for w in one] for k in cpu_side}
             done = {k: _rollout(r, cfg, args) for k, r in runs.items() if k not in later}
             pending.append((occ, occ[:, P:], b["mask"][:, P:] if "mask" in b else None, args, done, later))
             while len(pending) > ahead:
@@ -333,6 +351,12 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
                 pp.step(len(got))
         parity["seconds"] = round(pp.seconds, 2)
     out = {}
+    side = ""
+    if gate is not None and gate.most > 1:
+        n = gate.allowed
+        t = max(1, (os.cpu_count() or 1) // n)
+        side = (f" ({n} sessions side by side, {t} thread{'s' * (t > 1)} each)" if n > 1 else
+                " (one session at a time: the host memory budget held no second)")
     per_window = {v: torch.stack(c) for v, c in per_window.items()}
     for v in variants:
         cm = ConfusionMatrix(C, free, S)
@@ -342,7 +366,7 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
                   "iou_avg": _num(s["iou_avg"]), "miou_avg": _num(s["miou_avg"]),
                   "agreement_vs_pytorch": agree[v][0] / max(agree[v][1], 1)}
         if v in rows:
-            out[v]["engine"] = rows[v][1]
+            out[v]["engine"] = rows[v][1].replace(SIDE, side)
             out[v]["ms_per_window"] = round(1e3 * secs[v] / max(len(idx), 1), 2)
     ref = out["pytorch_fp32"]
 
@@ -377,6 +401,10 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
            "models": out}
     if ort:
         res["parity"] = parity
+    if gate is not None:  # how the INT8 rollouts shared the host's memory
+        res["int8_sessions"] = {"side_by_side": gate.allowed, "most": gate.most, "budget_gib": gate.budget_gib,
+                                "one_rollout_gib": None if gate.job_gib is None else round(gate.job_gib, 2),
+                                "process_gib": None if gate.base_gib is None else round(gate.base_gib, 2)}
     rate = ds.manifest.info.frame_rate_hz
     res["step_s"] = cfg.data.stride / rate if rate > 0 else None  # seconds per forecast step, for the table
     return res
