@@ -109,11 +109,11 @@ class MemoryGate:
 
     def __init__(self, most: int, budget_gib: float, on_measured: Optional[Callable[["MemoryGate"], None]] = None):
         self.most, self.budget_gib, self.on_measured = max(1, int(most)), float(budget_gib), on_measured
-        self.measurable = _rss_gib() is not None
-        self.allowed = 1 if self.measurable and self.most > 1 else self.most
+        measure = self.most > 1 and _rss_gib() is not None
+        self.allowed = 1 if measure else self.most
         self.job_gib: Optional[float] = None  # the first job's peak above its start
         self.base_gib: Optional[float] = None  # the resident size after it
-        self._running, self._probe_taken = 0, not (self.measurable and self.most > 1)
+        self._running, self._probe_taken = 0, not measure
         self._cv = threading.Condition()
 
     def run(self, fn: Callable, *args):

@@ -165,6 +165,12 @@ def _rollout(run: Callable, cfg, args) -> tuple[torch.Tensor, float]:
 SIDE = "<side>"  # in a row's description: how many sessions ran side by side, filled in at the end
 
 
+def _session_threads(side_by_side: int) -> int:
+    """onnxruntime threads of each of `side_by_side` sessions: the cores shared out (0, one session:
+    onnxruntime's own choice, every core)."""
+    return max(1, (os.cpu_count() or 1) // side_by_side) if side_by_side > 1 else 0
+
+
 def _engines(trained, out_dir: Path, engine: str, device, gate=None) -> dict[str, tuple[Callable, str]]:
     """{row: (run_graph, what runs it)} for the rows this engine computes; with engine torch the
     INT8 files' rollouts are PerThread, as many side by side as `gate` (a MemoryGate) lets run, each
@@ -199,9 +205,8 @@ def _engines(trained, out_dir: Path, engine: str, device, gate=None) -> dict[str
     where = (f"; {', '.join(rest)} (no quantized node) torch {dev.type} FP32" if rest else "")
     side = SIDE if gate is not None and gate.most > 1 else ""
 
-    def threads() -> int:  # 0: onnxruntime's own choice, every core
-        n = gate.allowed if gate is not None else 1
-        return max(1, (os.cpu_count() or 1) // n) if n > 1 else 0
+    def threads() -> int:
+        return _session_threads(gate.allowed if gate is not None else 1)
 
     def files_of(row, these):  # each thread its own sessions of the row's files, PyTorch FP32 for the rest
         return PerThread(lambda: Mixed(ort_row(out_dir, row, threads()), fp32, these, dev), key=threads)
@@ -353,8 +358,7 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
     out = {}
     side = ""
     if gate is not None and gate.most > 1:
-        n = gate.allowed
-        t = max(1, (os.cpu_count() or 1) // n)
+        n, t = gate.allowed, _session_threads(gate.allowed)
         side = (f" ({n} sessions side by side, {t} thread{'s' * (t > 1)} each)" if n > 1 else
                 " (one session at a time: the host memory budget held no second)")
     per_window = {v: torch.stack(c) for v, c in per_window.items()}
