@@ -1018,20 +1018,43 @@ def test_int8_cpus_tool_compares_the_files_on_two_cpu_classes(run, trained_tiny,
 
 
 @needs_qemu
-def test_int8_cpus_tool_runs_again_only_the_first_calls_of_each_graph(run, trained_tiny, tmp_path):
-    """--calls-per-graph and --graphs: the rollout is whole, the three ways run the first N calls of
-    each graph asked for."""
-    out = tmp_path / "cpus.json"
+def test_int8_cpus_tool_saves_the_first_calls_of_each_graph_and_replays_them_elsewhere(run, trained_tiny, tmp_path):
+    """--calls-per-graph, --graphs and --files with --save: the rollout is whole, the first N calls of
+    each graph asked for are saved with only the files asked for; --replay runs them the three ways
+    from a moved copy of that folder, with no run folder."""
+    saved = tmp_path / "calls"
     p = _int8_cpus("--run", trained_tiny.run_dir(), "--export", run.out, "--windows", 2, "--batch", 1,
-                   "--calls-per-graph", 1, "--graphs", "world_step,tokenizer_decode", "--json", out)
+                   "--calls-per-graph", 1, "--graphs", "world_step,tokenizer_decode", "--files", "int8-ort",
+                   "--save", saved)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"saved 2 calls of 2 windows and their INT8 files in {saved}" in p.stdout
+    assert sorted(f.name for f in saved.iterdir()) == ["calls.json", "feed-00000.npz", "feed-00001.npz",
+                                                      "tokenizer_decode.int8-ort.onnx", "world_step.int8-ort.onnx"]
+    moved = tmp_path / "elsewhere"
+    saved.rename(moved)
+    out = tmp_path / "cpus.json"
+    p = _int8_cpus("--replay", moved, "--json", out)
     assert p.returncode == 0, p.stderr[-3000:]
     d = json.loads(out.read_text())
-    assert d["windows"] == 2 and d["calls"] == 2 and d["calls_per_graph"] == 1
-    assert d["graphs"] == ["world_step", "tokenizer_decode"]
-    one_each = dict.fromkeys(("world_step", "tokenizer_decode"), 1)
-    for kind in (".int8-ort", ".int8"):
-        got = d["rows"][kind]["native_vs_emulated"]
-        assert {g: r["calls"] for g, r in got.items()} == one_each, kind
+    assert d["windows"] == 2 and d["calls"] == 2 and d["graphs"] == ["world_step", "tokenizer_decode"]
+    assert d["recorded_on"]["cpu"] == d["cpu"]["native"] and list(d["rows"]) == [".int8-ort"]
+    for pair in ("native_vs_emulated", "native_vs_onnx", "emulated_vs_onnx"):
+        got = d["rows"][".int8-ort"][pair]
+        assert {g: r["calls"] for g, r in got.items()} == dict.fromkeys(("world_step", "tokenizer_decode"), 1)
+    for g, r in d["rows"][".int8-ort"]["native_vs_emulated"].items():
+        assert r["agree"] >= 0.99, (g, r)
+    assert "recorded on" in p.stdout
+    # refused in one line each: a folder --save did not write, a missing file, the run's files not saved
+    for args, says in [(("--replay", tmp_path), f"--replay {tmp_path}: not a folder that int8_cpus.py --save wrote"),
+                       (("--replay", moved, "--files", "int8"), f"--replay {moved} holds only .int8-ort files"),
+                       (("--run", trained_tiny.run_dir(), "--replay", moved), "give --run <run> (with --save DIR"),
+                       (("--run", trained_tiny.run_dir(), "--export", run.out, "--save", moved),
+                        f"--save {moved}: exists and is not an empty folder")]:
+        p = _int8_cpus(*args)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1 and says in p.stderr, (args, p.stderr)
+    (moved / "feed-00001.npz").unlink()
+    p = _int8_cpus("--replay", moved)
+    assert p.returncode == 2 and "feed-00001.npz is missing; copy the whole folder" in p.stderr
     p = _int8_cpus("--run", trained_tiny.run_dir(), "--export", run.out, "--calls-per-graph", -1)
     assert p.returncode == 2 and "--calls-per-graph must be >= 0" in p.stderr and p.stderr.count("\n") == 1
     p = _int8_cpus("--run", trained_tiny.run_dir(), "--export", run.out, "--graphs", "world")

@@ -13,8 +13,11 @@ three ways on the inputs of real rollouts and reports, per graph, how many outpu
     python tools/int8_cpus.py --run runs/demo --cpu Skylake-Client --windows 16 --json cpus.json
     python tools/int8_cpus.py --run runs/occworld --windows 1 --batch 1 --calls-per-graph 1   # a large model
     python tools/int8_cpus.py --run runs/occworld --windows 1 --graphs world_step              # its INT8 graph only
+    python tools/int8_cpus.py --run runs/occworld --windows 1 --batch 1 --calls-per-graph 1 \
+        --graphs world_step --files int8-ort --save calls/     # record here, then on any other machine:
+    python tools/int8_cpus.py --replay calls/                  # no run folder or dataset needed there
 
-Both INT8 files are run: `.int8-ort.onnx` (onnxruntime's copy: the same values as uint8 with zero
+Both INT8 files are run (`--files`): `.int8-ort.onnx` (onnxruntime's copy: the same values as uint8 with zero
 point 128, whose integer products are exact on every x86 CPU; its float layers differ by CPU class
 in the last bits, as an FP32 model's do) and `.int8.onnx` (TensorRT's: int8, which onnxruntime's kernels
 without VNNI saturate). The rollouts run
@@ -151,9 +154,36 @@ def this_cpu() -> tuple[str, list[str]]:
     return name, sorted(f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags)
 
 
+def save(folder: Path, calls: list, n: int, files: dict, meta: dict) -> None:
+    """Copy the calls' INT8 files ({kind: {graph: path}}) beside their saved inputs in `folder` and
+    describe them in folder/calls.json, every path relative, so the folder replays anywhere."""
+    copied: dict = {}
+    for kind, by_graph in files.items():
+        for g in sorted({g for g, _ in calls}):
+            shutil.copy2(by_graph[g], folder / by_graph[g].name)
+            copied.setdefault(kind, {})[g] = by_graph[g].name
+    spec = dict(meta, windows=n, calls=[(g, Path(f).name) for g, f in calls], files=copied)
+    (folder / "calls.json").write_text(json.dumps(spec, indent=1) + "\n")
+
+
+def load_saved(folder: Path) -> tuple[list, dict, dict]:
+    """A --save folder's (calls with absolute feed paths, {kind: {graph: path}}, its description)."""
+    try:
+        spec = json.loads((folder / "calls.json").read_text())
+        calls = [(g, str(folder / f)) for g, f in spec["calls"]]
+        files = {k: {g: folder / f for g, f in v.items()} for k, v in spec["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise WMError(f"--replay {folder}: not a folder that int8_cpus.py --save wrote ({e}); save one with "
+                      f"--run <run> --save {folder}")
+    for p in [Path(f) for _, f in calls] + [p for v in files.values() for p in v.values()]:
+        if not p.is_file():
+            raise WMError(f"--replay {folder}: {p.name} is missing; copy the whole folder that --save wrote")
+    return calls, files, spec
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", required=True, help="a trained run folder")
+    ap.add_argument("--run", help="a trained run folder")
     ap.add_argument("--export", help="its export folder (default: <run>/export)")
     ap.add_argument("--cpu", default="Haswell", help="qemu's CPU model to compare with (qemu-x86_64 -cpu help)")
     ap.add_argument("--windows", type=int, default=8, help="validation windows rolled out (0: all)")
@@ -164,6 +194,12 @@ def main(argv=None) -> int:
     ap.add_argument("--graphs", default="tokenizer_encode,world_step,tokenizer_decode",
                     help="run again only these graphs' calls (comma-separated): export.py keeps the tokenizer "
                          "float by default, and under qemu its calls take most of the time")
+    ap.add_argument("--files", default="int8-ort,int8",
+                    help="which INT8 files (comma-separated): int8-ort (onnxruntime's copy), int8 (TensorRT's)")
+    ap.add_argument("--save", metavar="DIR",
+                    help="only record: the calls' inputs and INT8 files into DIR (new or empty), for --replay "
+                         "on another machine (one without the run, or of another CPU class)")
+    ap.add_argument("--replay", metavar="DIR", help="run the calls a --save wrote into DIR, instead of --run's")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
     from wm.export.report import GRAPHS, graph_files
@@ -171,42 +207,74 @@ def main(argv=None) -> int:
     graphs = [g for g in a.graphs.split(",") if g]
     if not graphs or set(graphs) - set(GRAPHS):
         raise WMError(f"--graphs {a.graphs!r}: name some of {', '.join(GRAPHS)}")
-
+    kinds = ["." + k for k in a.files.split(",") if k]
+    if not kinds or set(kinds) - set(KINDS):
+        raise WMError(f"--files {a.files!r}: name some of int8-ort, int8")
     if a.windows < 0 or a.batch < 1 or a.calls_per_graph < 0:
         raise WMError("--windows and --calls-per-graph must be >= 0 (0: all) and --batch >= 1")
+    if (a.run is None) == (a.replay is None) or (a.save and a.replay):
+        raise WMError("give --run <run> (with --save DIR to only record), or --replay DIR alone")
+    say = lambda *x: print(*x, flush=True)  # noqa: E731
+    name, flags = this_cpu()
+    if a.replay:
+        calls, files, spec = load_saved(Path(a.replay))
+        calls = [c for c in calls if c[0] in graphs]
+        files = {k: v for k, v in files.items() if k in kinds}
+        if not files:
+            raise WMError(f"--replay {a.replay} holds only {', '.join(spec['files'])} files; ask for those with --files")
+        return ways(calls, files, spec["windows"], a, name, flags, say,
+                    {"run": spec["run"], "export": spec["export"], "recorded_on": spec["recorded_on"]})
     run_dir = Path(a.run)
     export = Path(a.export) if a.export else run_dir / "export"
-    for kind in KINDS:
+    for kind in kinds:
         for f in graph_files(export, kind).values():
             if not f.is_file():
                 raise WMError(f"{f} does not exist; run export.py --run {run_dir} --int8 first")
+    files = {k: graph_files(export, k) for k in kinds}
+    if a.save:
+        folder = Path(a.save)
+        if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+            raise WMError(f"--save {folder}: exists and is not an empty folder; name a new one")
+        folder.mkdir(parents=True, exist_ok=True)
+        calls, n = record_calls(run_dir, export, a.windows, a.batch, folder, say, graphs, a.calls_per_graph)
+        save(folder, calls, n, files, {"run": str(run_dir), "export": str(export),
+                                       "recorded_on": {"cpu": name, "flags": flags,
+                                                       "onnxruntime": __import__("onnxruntime").__version__}})
+        mib = sum(f.stat().st_size for f in folder.iterdir()) / 2**20
+        say(f"saved {len(calls)} calls of {n} windows and their INT8 files in {folder} ({mib:.0f} MiB); "
+            f"on another machine: python tools/int8_cpus.py --replay {folder}")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="wm-int8-cpus-") as tmp:
+        calls, n = record_calls(run_dir, export, a.windows, a.batch, Path(tmp), say, graphs, a.calls_per_graph)
+        return ways(calls, files, n, a, name, flags, say, {"run": str(run_dir), "export": str(export)})
+
+
+def ways(calls: list, files: dict, n: int, a, name: str, flags: list, say, where: dict) -> int:
+    """Run `calls` the three ways for each kind of `files`, print the table, write --json."""
+    from wm.export.report import GRAPHS
+
     qemu = shutil.which("qemu-x86_64")
     if qemu is None:
         raise WMError("qemu-x86_64 is not installed; it runs onnxruntime as another CPU would "
                       "(Debian, Ubuntu: apt-get install qemu-user)")
-    say = lambda *x: print(*x, flush=True)  # noqa: E731
-    name, flags = this_cpu()
-    with tempfile.TemporaryDirectory(prefix="wm-int8-cpus-") as tmp:
-        tmp = Path(tmp)
-        calls, n = record_calls(run_dir, export, a.windows, a.batch, tmp, say, graphs, a.calls_per_graph)
-        say(f"{n} windows rolled out: {len(calls)} graph calls, each run natively ({name}), "
-            f"under qemu -cpu {a.cpu}, and as its ONNX semantics")
-        rows = {}
-        for kind, what in KINDS.items():
-            files = graph_files(export, kind)
-            d = tmp / kind.strip(".")
+    say(f"{n} windows rolled out: {len(calls)} graph calls, each run natively ({name}), "
+        f"under qemu -cpu {a.cpu}, and as its ONNX semantics")
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="wm-int8-cpus-ways-") as tmp:
+        for kind, by_graph in files.items():
+            d = Path(tmp) / kind.strip(".")
             d.mkdir()
-            run_way(calls, files, "int8", [], d / "native")
-            run_way(calls, files, "int8", [qemu, "-cpu", a.cpu], d / "emulated")
-            run_way(calls, files, "float", [], d / "onnx")
-            rows[kind] = {"file": what,
+            run_way(calls, by_graph, "int8", [], d / "native")
+            run_way(calls, by_graph, "int8", [qemu, "-cpu", a.cpu], d / "emulated")
+            run_way(calls, by_graph, "float", [], d / "onnx")
+            rows[kind] = {"file": KINDS[kind],
                           "native_vs_emulated": compare(calls, d / "native", d / "emulated"),
                           "native_vs_onnx": compare(calls, d / "native", d / "onnx"),
                           "emulated_vs_onnx": compare(calls, d / "emulated", d / "onnx")}
-    rep = {"run": str(run_dir), "export": str(export), "windows": n, "calls": len(calls),
-           "calls_per_graph": a.calls_per_graph or None, "graphs": graphs,
-           "cpu": {"native": name, "native_flags": flags, "emulated": f"qemu -cpu {a.cpu}"},
-           "onnxruntime": __import__("onnxruntime").__version__, "rows": rows}
+    rep = dict(where, windows=n, calls=len(calls), calls_per_graph=a.calls_per_graph or None,
+               graphs=[g for g in GRAPHS if any(c == g for c, _ in calls)],
+               cpu={"native": name, "native_flags": flags, "emulated": f"qemu -cpu {a.cpu}"},
+               onnxruntime=__import__("onnxruntime").__version__, rows=rows)
     print(table(rep))
     if a.json:
         from wm.atomic import write_bytes
@@ -221,7 +289,8 @@ def table(rep: dict) -> str:
     largest difference."""
     lines = [f"INT8 files on two CPU classes: native = {rep['cpu']['native']} "
              f"({', '.join(rep['cpu']['native_flags']) or 'no AVX2'}), emulated = {rep['cpu']['emulated']}, "
-             f"onnx = Q/DQ as float ops; {rep['windows']} windows, {rep['calls']} calls",
+             f"onnx = Q/DQ as float ops; {rep['windows']} windows, {rep['calls']} calls"
+             + (f" (recorded on {rep['recorded_on']['cpu']})" if "recorded_on" in rep else ""),
              f"{'file':<16} {'pair':<20} {'graph':<18} {'agree':>8} {'motion max|diff|':>17}"]
     for kind, row in rep["rows"].items():
         for pair in ("native_vs_emulated", "native_vs_onnx", "emulated_vs_onnx"):
