@@ -356,6 +356,10 @@ def test_memory_gate_runs_side_by_side_only_what_fits_the_budget():
         assert order[0][1] == 1 and most_seen[0] <= gate.allowed  # the first alone, then never more than allowed
     if peaks.per_phase:  # four jobs at once (the first round), before the later rounds' resets
         assert peaks.mark("gated") >= start + 4 * 0.25 - 0.02
+    # a job that takes nothing new: all of them where the process leaves room, one where it does not
+    for budget, want in ((_rss_gib() + 1, 4), (0.01, 1)):
+        gate = MemoryGate(4, budget)
+        assert gate.run(lambda: 7) == 7 and gate.job_gib < 0.01 and gate.allowed == want, (budget, gate.job_gib)
 
 
 @pytest.mark.slow

@@ -363,15 +363,10 @@ def guarded(mode: str, engine: str, fn, say) -> dict:
 
 
 def machine(device, threads: int) -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    out = {"cpu": cpu, "cpu_cores_usable": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
+    from wm.export.report import this_cpu
+
+    cpu, flags = this_cpu()
+    out = {"cpu": cpu if cpu != "unknown" else platform.processor() or platform.machine(), "cpu_flags": flags, "cpu_cores_usable": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "ort_threads": threads,
            "cudnn_benchmark": torch.backends.cudnn.benchmark,
            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "tf32_cudnn": torch.backends.cudnn.allow_tf32}

@@ -9,6 +9,11 @@ three ways on the inputs of real rollouts and reports, per graph, how many outpu
            no AVX-512, no VNNI; qemu answers onnxruntime's CPUID as that CPU would)
   onnx     the file's ONNX semantics (Q/DQ as float ops, what TensorRT's file defines), on this CPU
 
+and, as the yardstick, native_vs_1ulp: the native run again with every float input one ulp up. A
+trained model's argmax over its codes can move that much on a last-bit change, which every float
+kernel of another CPU class makes; a CPU class that agrees about as well differs by float rounding
+alone, one that agrees much less computes something else (e.g. saturated int8 products).
+
     python tools/int8_cpus.py --run runs/demo                          # its export/, 8 validation windows
     python tools/int8_cpus.py --run runs/demo --cpu Skylake-Client --windows 16 --json cpus.json
     python tools/int8_cpus.py --run runs/occworld --windows 1 --batch 1 --calls-per-graph 1   # a large model
@@ -24,7 +29,7 @@ without VNNI saturate). The rollouts run
 natively through the export's host loop (onnxruntime's kernels, `.int8-ort.onnx`), every graph call's
 inputs are saved, and each way runs them all again in one process that imports only numpy and
 onnxruntime. Codes compare as they are, the decoder's class logits by their argmax over the classes,
-the world step's ego motion by its largest difference. Needs qemu-x86_64 (Debian, Ubuntu: apt-get
+float outputs (the world step's ego motion and cache rows) by their largest difference. Needs qemu-x86_64 (Debian, Ubuntu: apt-get
 install qemu-user) and `export.py --int8` run first.
 """
 
@@ -48,7 +53,8 @@ from wm.errors import WMError, run_cli  # noqa: E402
 KINDS = {".int8-ort": "onnxruntime's copy (.int8-ort.onnx)", ".int8": "TensorRT's file (.int8.onnx)"}
 
 # One way over every saved call: numpy and onnxruntime only, so that it starts in seconds under qemu.
-# argv: calls.json, "int8" (integer kernels) or "float" (Q/DQ as float ops), output folder.
+# argv: calls.json, "int8" (integer kernels), "ulp" (the same, float inputs one ulp up) or "float"
+# (Q/DQ as float ops), output folder.
 _RUN = r"""
 import json, sys, numpy as np, onnxruntime as ort
 calls, mode, out = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
@@ -62,7 +68,10 @@ for i, (graph, model, feed) in enumerate(calls):
             so.add_session_config_entry("session.disable_quant_qdq", "1")
         sessions[model] = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
     with np.load(feed) as z:
-        outs = sessions[model].run(None, dict(z))
+        feed = dict(z)
+    if mode == "ulp":  # every float input one ulp up: how far the model itself moves the outputs
+        feed = {k: np.nextafter(v, np.inf).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in feed.items()}
+    outs = sessions[model].run(None, feed)
     if graph == "tokenizer_decode":  # class logits: the class each voxel gets
         outs = [o.argmax(1).astype(np.uint8) if o.dtype.kind == "f" else o for o in outs]
     np.savez(f"{out}/{i:05d}.npz", *outs)
@@ -139,21 +148,6 @@ def compare(calls: list, a: Path, b: Path) -> dict:
     return out
 
 
-def this_cpu() -> tuple[str, list[str]]:
-    """This CPU's model name and which of the instruction sets that pick onnxruntime's kernels it has."""
-    name, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and name == "unknown":
-                name = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    return name, sorted(f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags)
-
-
 def save(folder: Path, calls: list, n: int, files: dict, meta: dict) -> None:
     """Copy the calls' INT8 files ({kind: {graph: path}}) beside their saved inputs in `folder` and
     describe them in folder/calls.json, every path relative, so the folder replays anywhere."""
@@ -215,6 +209,8 @@ def main(argv=None) -> int:
     if (a.run is None) == (a.replay is None) or (a.save and a.replay):
         raise WMError("give --run <run> (with --save DIR to only record), or --replay DIR alone")
     say = lambda *x: print(*x, flush=True)  # noqa: E731
+    from wm.export.report import this_cpu
+
     name, flags = this_cpu()
     if a.replay:
         calls, files, spec = load_saved(Path(a.replay))
@@ -267,8 +263,10 @@ def ways(calls: list, files: dict, n: int, a, name: str, flags: list, say, where
             run_way(calls, by_graph, "int8", [], d / "native")
             run_way(calls, by_graph, "int8", [qemu, "-cpu", a.cpu], d / "emulated")
             run_way(calls, by_graph, "float", [], d / "onnx")
+            run_way(calls, by_graph, "ulp", [], d / "ulp")
             rows[kind] = {"file": KINDS[kind],
                           "native_vs_emulated": compare(calls, d / "native", d / "emulated"),
+                          "native_vs_1ulp": compare(calls, d / "native", d / "ulp"),
                           "native_vs_onnx": compare(calls, d / "native", d / "onnx"),
                           "emulated_vs_onnx": compare(calls, d / "emulated", d / "onnx")}
     rep = dict(where, windows=n, calls=len(calls), calls_per_graph=a.calls_per_graph or None,
@@ -285,15 +283,15 @@ def ways(calls: list, files: dict, n: int, a, name: str, flags: list, say, where
 
 
 def table(rep: dict) -> str:
-    """One line per file, pair of ways and graph: the agreement of codes / classes, the motion's
-    largest difference."""
+    """One line per file, pair of ways and graph: the agreement of codes / classes, the float
+    outputs' largest difference."""
     lines = [f"INT8 files on two CPU classes: native = {rep['cpu']['native']} "
              f"({', '.join(rep['cpu']['native_flags']) or 'no AVX2'}), emulated = {rep['cpu']['emulated']}, "
              f"onnx = Q/DQ as float ops; {rep['windows']} windows, {rep['calls']} calls"
              + (f" (recorded on {rep['recorded_on']['cpu']})" if "recorded_on" in rep else ""),
-             f"{'file':<16} {'pair':<20} {'graph':<18} {'agree':>8} {'motion max|diff|':>17}"]
+             f"{'file':<16} {'pair':<20} {'graph':<18} {'agree':>8} {'float max|diff|':>17}"]
     for kind, row in rep["rows"].items():
-        for pair in ("native_vs_emulated", "native_vs_onnx", "emulated_vs_onnx"):
+        for pair in ("native_vs_emulated", "native_vs_1ulp", "native_vs_onnx", "emulated_vs_onnx"):
             for g, r in row[pair].items():
                 agree = f"{100 * r['agree']:7.3f}%" if r["agree"] is not None else f"{'-':>8}"
                 diff = f"{r['max_abs_diff']:17.3g}" if r["max_abs_diff"] is not None else f"{'-':>17}"

@@ -137,7 +137,7 @@ class MemoryGate:
                     release_free_memory()
                     self.base_gib = _rss_gib()
                     room = self.budget_gib - self.base_gib
-                    fit = int(room // self.job_gib) if self.job_gib > 0 else self.most
+                    fit = int(room // self.job_gib) if self.job_gib > 0 else (self.most if room > 0 else 1)
                     self.allowed = max(1, min(self.most, fit))
                 self._cv.notify_all()
             if probe and self.on_measured is not None:

@@ -165,6 +165,22 @@ def _rollout(run: Callable, cfg, args) -> tuple[torch.Tensor, float]:
 SIDE = "<side>"  # in a row's description: how many sessions ran side by side, filled in at the end
 
 
+def this_cpu() -> tuple[str, list[str]]:
+    """This CPU's model name and which of the instruction sets that pick onnxruntime's kernels it
+    has: its float kernels differ by that class in the last bits, so an INT8 row names it."""
+    name, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name == "unknown":
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return name, sorted(f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags)
+
+
 def _session_threads(side_by_side: int) -> int:
     """onnxruntime threads of each of `side_by_side` sessions: the cores shared out (0, one session:
     onnxruntime's own choice, every core)."""
@@ -401,7 +417,8 @@ def accuracy_report(trained, out_dir, held_out_windows: int = 64, batch: int = 4
     res = {"split": split, "windows": int(len(idx)), "data_root": str(root), "future_steps": S,
            "data_fingerprint_matches_checkpoint": (ds.fingerprint == fp) if fp else None,
            "unit": "percent", "metric_mode": "exclude", "batch": int(batch), "engine": engine,
-           "device": str(device), "cpu_threads": os.cpu_count(), "seconds": round(report_s, 2),
+           "device": str(device), "cpu_threads": os.cpu_count(), "cpu": dict(zip(("name", "flags"), this_cpu())),
+           "seconds": round(report_s, 2),
            "models": out}
     if ort:
         res["parity"] = parity
@@ -476,7 +493,9 @@ def format_report(d: Mapping) -> str:
         ms = f"{r['ms_per_window']:8.1f}" if "ms_per_window" in r else f"{'-':>8}"
         lines.append(f"{v:<14}      {iou} {f(r['iou_avg'])} |      {miou} {f(r['miou_avg'])} | "
                      f"{pm(r, 'iou')} {pm(r, 'miou')} | {f(r['agreement_vs_pytorch'], 6, 4)} | {ms}")
-    lines.append("computed by: " + "; ".join(f"{v} {r['engine']}" for v, r in d["models"].items() if "engine" in r))
+    cpu = d.get("cpu") or {"name": "?", "flags": []}
+    lines.append(f"computed by (cpu: {cpu['name']}, {', '.join(cpu['flags']) or 'no AVX2'}): "
+                 + "; ".join(f"{v} {r['engine']}" for v, r in d["models"].items() if "engine" in r))
     per_step = [(v, r) for v, r in d["models"].items() if v not in ("pytorch_fp32", "copy_last") and "drop_miou_se" in r]
     if per_step:  # the drops of every step with their errors: a target holds at each step, not on average
         lines.append("drop per future step vs pytorch_fp32, IoU / mIoU (± standard error):")
