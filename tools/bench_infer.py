@@ -366,7 +366,8 @@ def machine(device, threads: int) -> dict:
     from wm.export.report import this_cpu
 
     cpu, flags = this_cpu()
-    out = {"cpu": cpu if cpu != "unknown" else platform.processor() or platform.machine(), "cpu_flags": flags, "cpu_cores_usable": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
+    out = {"cpu": cpu if cpu != "unknown" else platform.processor() or platform.machine(), "cpu_flags": flags,
+           "cpu_cores_usable": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "ort_threads": threads,
            "cudnn_benchmark": torch.backends.cudnn.benchmark,
            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "tf32_cudnn": torch.backends.cudnn.allow_tf32}

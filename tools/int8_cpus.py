@@ -29,8 +29,8 @@ without VNNI saturate). The rollouts run
 natively through the export's host loop (onnxruntime's kernels, `.int8-ort.onnx`), every graph call's
 inputs are saved, and each way runs them all again in one process that imports only numpy and
 onnxruntime. Codes compare as they are, the decoder's class logits by their argmax over the classes,
-float outputs (the world step's ego motion and cache rows) by their largest difference. Needs qemu-x86_64 (Debian, Ubuntu: apt-get
-install qemu-user) and `export.py --int8` run first.
+float outputs (the world step's ego motion and cache rows) by their largest difference. Needs
+qemu-x86_64 (Debian, Ubuntu: apt-get install qemu-user) and `export.py --int8` run first.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     ap.add_argument("--replay", metavar="DIR", help="run the calls a --save wrote into DIR, instead of --run's")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
-    from wm.export.report import GRAPHS, graph_files
+    from wm.export.report import GRAPHS, graph_files, this_cpu
 
     graphs = [g for g in a.graphs.split(",") if g]
     if not graphs or set(graphs) - set(GRAPHS):
@@ -209,17 +209,17 @@ def main(argv=None) -> int:
     if (a.run is None) == (a.replay is None) or (a.save and a.replay):
         raise WMError("give --run <run> (with --save DIR to only record), or --replay DIR alone")
     say = lambda *x: print(*x, flush=True)  # noqa: E731
-    from wm.export.report import this_cpu
-
     name, flags = this_cpu()
     if a.replay:
         calls, files, spec = load_saved(Path(a.replay))
         calls = [c for c in calls if c[0] in graphs]
         files = {k: v for k, v in files.items() if k in kinds}
-        if not files:
-            raise WMError(f"--replay {a.replay} holds only {', '.join(spec['files'])} files; ask for those with --files")
-        return ways(calls, files, spec["windows"], a, name, flags, say,
-                    {"run": spec["run"], "export": spec["export"], "recorded_on": spec["recorded_on"]})
+        if not files or not calls:
+            raise WMError(f"--replay {a.replay} holds {', '.join(spec['files'])} files of "
+                          f"{', '.join(sorted({g for g, _ in spec['calls']}))} calls; "
+                          "ask for those with --files, --graphs")
+        keep = ("run", "export", "calls_per_graph", "recorded_on")
+        return ways(calls, files, spec["windows"], a.cpu, name, flags, say, {k: spec.get(k) for k in keep}, a.json)
     run_dir = Path(a.run)
     export = Path(a.export) if a.export else run_dir / "export"
     for kind in kinds:
@@ -234,6 +234,7 @@ def main(argv=None) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         calls, n = record_calls(run_dir, export, a.windows, a.batch, folder, say, graphs, a.calls_per_graph)
         save(folder, calls, n, files, {"run": str(run_dir), "export": str(export),
+                                       "calls_per_graph": a.calls_per_graph or None,
                                        "recorded_on": {"cpu": name, "flags": flags,
                                                        "onnxruntime": __import__("onnxruntime").__version__}})
         mib = sum(f.stat().st_size for f in folder.iterdir()) / 2**20
@@ -242,11 +243,14 @@ def main(argv=None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="wm-int8-cpus-") as tmp:
         calls, n = record_calls(run_dir, export, a.windows, a.batch, Path(tmp), say, graphs, a.calls_per_graph)
-        return ways(calls, files, n, a, name, flags, say, {"run": str(run_dir), "export": str(export)})
+        return ways(calls, files, n, a.cpu, name, flags, say, {"run": str(run_dir), "export": str(export),
+                                                               "calls_per_graph": a.calls_per_graph or None}, a.json)
 
 
-def ways(calls: list, files: dict, n: int, a, name: str, flags: list, say, where: dict) -> int:
-    """Run `calls` the three ways for each kind of `files`, print the table, write --json."""
+def ways(calls: list, files: dict, n: int, cpu: str, name: str, flags: list, say, where: dict,
+         json_out=None) -> int:
+    """Run `calls` the three ways and the yardstick for each kind of `files` ({kind: {graph: file}}),
+    the emulated way as qemu's `cpu`; print the table, write `json_out`."""
     from wm.export.report import GRAPHS
 
     qemu = shutil.which("qemu-x86_64")
@@ -254,14 +258,14 @@ def ways(calls: list, files: dict, n: int, a, name: str, flags: list, say, where
         raise WMError("qemu-x86_64 is not installed; it runs onnxruntime as another CPU would "
                       "(Debian, Ubuntu: apt-get install qemu-user)")
     say(f"{n} windows rolled out: {len(calls)} graph calls, each run natively ({name}), "
-        f"under qemu -cpu {a.cpu}, and as its ONNX semantics")
+        f"under qemu -cpu {cpu}, as its ONNX semantics, and natively one ulp up")
     rows = {}
     with tempfile.TemporaryDirectory(prefix="wm-int8-cpus-ways-") as tmp:
         for kind, by_graph in files.items():
             d = Path(tmp) / kind.strip(".")
             d.mkdir()
             run_way(calls, by_graph, "int8", [], d / "native")
-            run_way(calls, by_graph, "int8", [qemu, "-cpu", a.cpu], d / "emulated")
+            run_way(calls, by_graph, "int8", [qemu, "-cpu", cpu], d / "emulated")
             run_way(calls, by_graph, "float", [], d / "onnx")
             run_way(calls, by_graph, "ulp", [], d / "ulp")
             rows[kind] = {"file": KINDS[kind],
@@ -269,16 +273,15 @@ def ways(calls: list, files: dict, n: int, a, name: str, flags: list, say, where
                           "native_vs_1ulp": compare(calls, d / "native", d / "ulp"),
                           "native_vs_onnx": compare(calls, d / "native", d / "onnx"),
                           "emulated_vs_onnx": compare(calls, d / "emulated", d / "onnx")}
-    rep = dict(where, windows=n, calls=len(calls), calls_per_graph=a.calls_per_graph or None,
-               graphs=[g for g in GRAPHS if any(c == g for c, _ in calls)],
-               cpu={"native": name, "native_flags": flags, "emulated": f"qemu -cpu {a.cpu}"},
+    rep = dict(where, windows=n, calls=len(calls), graphs=[g for g in GRAPHS if any(c == g for c, _ in calls)],
+               cpu={"native": name, "native_flags": flags, "emulated": f"qemu -cpu {cpu}"},
                onnxruntime=__import__("onnxruntime").__version__, rows=rows)
     print(table(rep))
-    if a.json:
+    if json_out:
         from wm.atomic import write_bytes
 
-        write_bytes(a.json, json.dumps(rep, indent=1) + "\n")
-        print(f"wrote {a.json}")
+        write_bytes(json_out, json.dumps(rep, indent=1) + "\n")
+        print(f"wrote {json_out}")
     return 0
 
 
@@ -288,7 +291,7 @@ def table(rep: dict) -> str:
     lines = [f"INT8 files on two CPU classes: native = {rep['cpu']['native']} "
              f"({', '.join(rep['cpu']['native_flags']) or 'no AVX2'}), emulated = {rep['cpu']['emulated']}, "
              f"onnx = Q/DQ as float ops; {rep['windows']} windows, {rep['calls']} calls"
-             + (f" (recorded on {rep['recorded_on']['cpu']})" if "recorded_on" in rep else ""),
+             + (f" (recorded on {rep['recorded_on']['cpu']})" if rep.get("recorded_on") else ""),
              f"{'file':<16} {'pair':<20} {'graph':<18} {'agree':>8} {'float max|diff|':>17}"]
     for kind, row in rep["rows"].items():
         for pair in ("native_vs_emulated", "native_vs_1ulp", "native_vs_onnx", "emulated_vs_onnx"):
