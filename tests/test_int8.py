@@ -1077,6 +1077,26 @@ def test_int8_cpus_tool_refuses_an_export_without_int8_files(trained_tiny, tmp_p
     assert f"{tmp_path / 'tokenizer_encode.int8-ort.onnx'} does not exist; run export.py --run" in p.stderr
 
 
+def test_int8_cpus_tool_without_qemu_says_so_in_one_line(run, trained_tiny, tmp_path):
+    """No qemu-x86_64 on the PATH: refused before any rollout (--run) or replay, in one line."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PATH=str(tmp_path))  # a folder with no qemu-x86_64 in it
+    for args in (["--run", trained_tiny.run_dir(), "--export", run.out], ["--replay", tmp_path]):
+        p = subprocess.run([sys.executable, str(root / "tools" / "int8_cpus.py"), *map(str, args)], cwd=root,
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1, (args, p.stderr)
+        assert "qemu-x86_64 is not installed" in p.stderr, (args, p.stderr)
+    # recording needs no qemu: that is what --save is for
+    p = subprocess.run([sys.executable, str(root / "tools" / "int8_cpus.py"), "--run", str(trained_tiny.run_dir()),
+                        "--export", str(run.out), "--windows", "1", "--batch", "1", "--calls-per-graph", "1",
+                        "--graphs", "world_step", "--save", str(tmp_path / "calls")], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and (tmp_path / "calls" / "calls.json").is_file(), p.stderr[-2000:]
+
+
 def test_int8_report_tool_scores_the_files_themselves(run, trained_tiny, tmp_path):
     """tools/int8_report.py: the report with every asked row run by onnxruntime on the files (the
     numbers accuracy_report's onnxruntime engine gives), written apart from report.json and set

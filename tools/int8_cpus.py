@@ -48,6 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from wm.atomic import write_bytes  # noqa: E402
 from wm.errors import WMError, run_cli  # noqa: E402
 
 KINDS = {".int8-ort": "onnxruntime's copy (.int8-ort.onnx)", ".int8": "TensorRT's file (.int8.onnx)"}
@@ -157,7 +158,7 @@ def save(folder: Path, calls: list, n: int, files: dict, meta: dict) -> None:
             shutil.copy2(by_graph[g], folder / by_graph[g].name)
             copied.setdefault(kind, {})[g] = by_graph[g].name
     spec = dict(meta, windows=n, calls=[(g, Path(f).name) for g, f in calls], files=copied)
-    (folder / "calls.json").write_text(json.dumps(spec, indent=1) + "\n")
+    write_bytes(folder / "calls.json", json.dumps(spec, indent=1) + "\n")
 
 
 def load_saved(folder: Path) -> tuple[list, dict, dict]:
@@ -173,6 +174,15 @@ def load_saved(folder: Path) -> tuple[list, dict, dict]:
         if not p.is_file():
             raise WMError(f"--replay {folder}: {p.name} is missing; copy the whole folder that --save wrote")
     return calls, files, spec
+
+
+def need_qemu(cpu: str) -> list:
+    """The command that runs a program as qemu's `cpu` model would, or a one-line refusal."""
+    qemu = shutil.which("qemu-x86_64")
+    if qemu is None:
+        raise WMError("qemu-x86_64 is not installed; it runs onnxruntime as another CPU would "
+                      "(Debian, Ubuntu: apt-get install qemu-user)")
+    return [qemu, "-cpu", cpu]
 
 
 def main(argv=None) -> int:
@@ -211,6 +221,7 @@ def main(argv=None) -> int:
     say = lambda *x: print(*x, flush=True)  # noqa: E731
     name, flags = this_cpu()
     if a.replay:
+        qemu = need_qemu(a.cpu)
         calls, files, spec = load_saved(Path(a.replay))
         calls = [c for c in calls if c[0] in graphs]
         files = {k: v for k, v in files.items() if k in kinds}
@@ -219,7 +230,8 @@ def main(argv=None) -> int:
                           f"{', '.join(sorted({g for g, _ in spec['calls']}))} calls; "
                           "ask for those with --files, --graphs")
         keep = ("run", "export", "calls_per_graph", "recorded_on")
-        return ways(calls, files, spec["windows"], a.cpu, name, flags, say, {k: spec.get(k) for k in keep}, a.json)
+        return ways(calls, files, spec["windows"], qemu, name, flags, say,
+                    {k: spec.get(k) for k in keep}, a.json)
     run_dir = Path(a.run)
     export = Path(a.export) if a.export else run_dir / "export"
     for kind in kinds:
@@ -241,31 +253,29 @@ def main(argv=None) -> int:
         say(f"saved {len(calls)} calls of {n} windows and their INT8 files in {folder} ({mib:.0f} MiB); "
             f"on another machine: python tools/int8_cpus.py --replay {folder}")
         return 0
+    qemu = need_qemu(a.cpu)  # before the rollout, not after it
     with tempfile.TemporaryDirectory(prefix="wm-int8-cpus-") as tmp:
         calls, n = record_calls(run_dir, export, a.windows, a.batch, Path(tmp), say, graphs, a.calls_per_graph)
-        return ways(calls, files, n, a.cpu, name, flags, say, {"run": str(run_dir), "export": str(export),
-                                                               "calls_per_graph": a.calls_per_graph or None}, a.json)
+        return ways(calls, files, n, qemu, name, flags, say,
+                    {"run": str(run_dir), "export": str(export), "calls_per_graph": a.calls_per_graph or None}, a.json)
 
 
-def ways(calls: list, files: dict, n: int, cpu: str, name: str, flags: list, say, where: dict,
+def ways(calls: list, files: dict, n: int, qemu: list, name: str, flags: list, say, where: dict,
          json_out=None) -> int:
     """Run `calls` the three ways and the yardstick for each kind of `files` ({kind: {graph: file}}),
-    the emulated way as qemu's `cpu`; print the table, write `json_out`."""
+    the emulated way under `qemu` ([qemu-x86_64, -cpu, model]); print the table, write `json_out`."""
     from wm.export.report import GRAPHS
 
-    qemu = shutil.which("qemu-x86_64")
-    if qemu is None:
-        raise WMError("qemu-x86_64 is not installed; it runs onnxruntime as another CPU would "
-                      "(Debian, Ubuntu: apt-get install qemu-user)")
+    emulated = " ".join(["qemu", *qemu[1:]])
     say(f"{n} windows rolled out: {len(calls)} graph calls, each run natively ({name}), "
-        f"under qemu -cpu {cpu}, as its ONNX semantics, and natively one ulp up")
+        f"under {emulated}, as its ONNX semantics, and natively one ulp up")
     rows = {}
     with tempfile.TemporaryDirectory(prefix="wm-int8-cpus-ways-") as tmp:
         for kind, by_graph in files.items():
             d = Path(tmp) / kind.strip(".")
             d.mkdir()
             run_way(calls, by_graph, "int8", [], d / "native")
-            run_way(calls, by_graph, "int8", [qemu, "-cpu", cpu], d / "emulated")
+            run_way(calls, by_graph, "int8", qemu, d / "emulated")
             run_way(calls, by_graph, "float", [], d / "onnx")
             run_way(calls, by_graph, "ulp", [], d / "ulp")
             rows[kind] = {"file": KINDS[kind],
@@ -274,12 +284,10 @@ def ways(calls: list, files: dict, n: int, cpu: str, name: str, flags: list, say
                           "native_vs_onnx": compare(calls, d / "native", d / "onnx"),
                           "emulated_vs_onnx": compare(calls, d / "emulated", d / "onnx")}
     rep = dict(where, windows=n, calls=len(calls), graphs=[g for g in GRAPHS if any(c == g for c, _ in calls)],
-               cpu={"native": name, "native_flags": flags, "emulated": f"qemu -cpu {cpu}"},
+               cpu={"native": name, "native_flags": flags, "emulated": emulated},
                onnxruntime=__import__("onnxruntime").__version__, rows=rows)
     print(table(rep))
     if json_out:
-        from wm.atomic import write_bytes
-
         write_bytes(json_out, json.dumps(rep, indent=1) + "\n")
         print(f"wrote {json_out}")
     return 0
