@@ -155,7 +155,7 @@ def export(argv, progress: dict) -> int:
     print(f"exporting {t.ckpt} (tokenizer {t.tokenizer_ckpt}) to {out}")
     progress["out"] = out
     report = {"checkpoint": str(t.ckpt), "tokenizer_checkpoint": str(t.tokenizer_ckpt),
-              "data_fingerprint": t.data_fingerprint, "graphs": {}, "seconds": {}}
+              "data_fingerprint": t.data_fingerprint, "init": t.init, "graphs": {}, "seconds": {}}
     secs = report["seconds"]
     from wm.export.memory import PhasePeaks
 

@@ -315,3 +315,27 @@ def run_kernel_check(script: str, dev: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", source], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def read_png(path: Path):
+    """Decode wm.viz.write_png's PNGs (8-bit RGB, filter 0) to an (H, W, 3) array, to check what was drawn."""
+    import zlib
+
+    import numpy as np
+
+    b = path.read_bytes()
+    assert b[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, w, h = 8, b"", None, None
+    while pos < len(b):
+        n = int.from_bytes(b[pos:pos + 4], "big")
+        tag, body = b[pos + 4:pos + 8], b[pos + 8:pos + 8 + n]
+        assert zlib.crc32(tag + body) == int.from_bytes(b[pos + 8 + n:pos + 12 + n], "big")
+        if tag == b"IHDR":
+            w, h = int.from_bytes(body[:4], "big"), int.from_bytes(body[4:8], "big")
+            assert body[8:10] == bytes([8, 2])  # 8-bit RGB
+        elif tag == b"IDAT":
+            idat += body
+        pos += 12 + n
+    raw = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(h, 1 + 3 * w)
+    assert (raw[:, 0] == 0).all()
+    return raw[:, 1:].reshape(h, w, 3)

@@ -29,7 +29,8 @@ def test_every_key_of_every_section_is_listed_with_type_default_and_meaning():
         sec, k = key.split(".")
         assert m, f"{key} has no meaning: write a comment on its line in its dataclass"
         assert json.loads(d) == C.to_dict(cfg)[sec][k]
-        assert t == C._type_name(C._hints(type(getattr(cfg, sec)))[k])
+        section = type(getattr(cfg, sec))
+        assert t == C._type_name(C._hints(section)[C._attr(section, k)])
     assert listed["tokenizer_stage.batch_size"][1] == "0" and listed["data.batch_size"][1] == "8"
     assert listed["world_stage.batch_size"][1] == "4"  # the demo world stage's own (small steps)
 

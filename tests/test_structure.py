@@ -12,7 +12,8 @@ MODELS = {"wm.tokenizer", "wm.world"}  # a model module may not import another f
 # the flow's stages, left to right; a module may import only from its own stage or one to its left
 STAGES = [
     {"wm.errors", "wm.atomic"},
-    {"wm.shards", "wm.synthetic", "wm.synthetic_blocks", "wm.datastats", "wm.recording_checks"},
+    {"wm.shards", "wm.synthetic", "wm.synthetic_blocks", "wm.synthetic_airside", "wm.synthetic_airside_shapes",
+     "wm.datastats", "wm.recording_checks"},
     {"wm.data", "wm.horizons"},
     {"wm.layers", "wm.tokenizer", "wm.world", "wm.lovasz"},
 ]

@@ -3,11 +3,11 @@
 import json
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import read_png  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,23 +27,6 @@ def data(tmp_path_factory):
     return out
 
 
-def read_png(path: Path) -> np.ndarray:
-    """Decode our own PNGs (8-bit RGB, filter 0) to check what was drawn."""
-    b = path.read_bytes()
-    assert b[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, w, h = 8, b"", None, None
-    while pos < len(b):
-        n = int.from_bytes(b[pos:pos + 4], "big")
-        tag, body = b[pos + 4:pos + 8], b[pos + 8:pos + 8 + n]
-        assert zlib.crc32(tag + body) == int.from_bytes(b[pos + 8 + n:pos + 12 + n], "big")
-        if tag == b"IHDR":
-            w, h = int.from_bytes(body[:4], "big"), int.from_bytes(body[4:8], "big")
-        elif tag == b"IDAT":
-            idat += body
-        pos += 12 + n
-    raw = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(h, 1 + 3 * w)
-    assert (raw[:, 0] == 0).all()
-    return raw[:, 1:].reshape(h, w, 3)
 
 
 def test_inspect_summary_verify_and_pictures(data, tmp_path):

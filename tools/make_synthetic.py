@@ -31,7 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-mask", action="store_true", help="do not write visibility masks")
     ap.add_argument("--style", choices=list(STYLES), default="occ3d",
                     help="occ3d: observed surfaces with Occ3D's statistics (default occ3d: the demo's scenes, "
-                         "synthetic.style); blocks: solid columns, the first generator (configs/demo_blocks.json)")
+                         "synthetic.style); airside: airport aprons, 17 classes of their own (configs/airside_*.json); "
+                         "blocks: solid columns, the first generator (configs/demo_blocks.json)")
     ap.add_argument("--workers", type=int, default=None,
                     help="processes generating scenes (default: one per core, at most 16, for a large data set; "
                          "1 for a small one); the bytes are the same with any number")

@@ -6,7 +6,8 @@ says why a value is refused. The resolved config is written back as JSON and loa
 object, so a run folder's `config.json` reproduces the run.
 
 Field types understood: int, float, str, bool, Optional[...], tuple[int, ...] / tuple[float, ...],
-list[str], and nested dataclasses (sections). Tuples are lists in JSON.
+list[str], dict[str, ...], and nested dataclasses (sections). Tuples are lists in JSON. A field named
+`x_` is the key `x` (a Python keyword: `init.from`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from wm.atomic import write_bytes
 from wm.config_rules import ALLOWED, FREE, MATCH, rule, rules
 from wm.config_runtime import (ActivationCheckpointConfig, CheckpointConfig, CompileConfig, DDPConfig,
                                KernelsConfig, LoaderConfig, LoggingConfig)
+from wm.config_init import InitConfig, check_prefixes
 from wm.config_upgrade import DROPPED, MOVED, upgrade
 from wm.errors import ConfigError
 from wm.tokenizer import TokenizerConfig
@@ -130,8 +132,9 @@ class SyntheticConfig:
     compression: str = "zstd3"  # HDF5 only: see wm.shards.COMPRESSIONS (zstd needs hdf5plugin)
     with_mask: bool = True  # write sensor-style visibility masks
     # occ3d: observed surfaces, lidar-like masks, nuScenes-like traffic, Occ3D's statistics;
+    # airside: airport aprons with their own 17 classes (free = 16; set data.num_classes, free_class);
     # blocks: solid columns, 37 % occupied (the first generator, far easier than Occ3D)
-    style: str = "occ3d"  # which generator: occ3d | blocks (wm/synthetic_occ3d.py, wm/synthetic_blocks.py)
+    style: str = "occ3d"  # which generator: occ3d | airside | blocks (wm/synthetic_occ3d.py, synthetic_airside.py, synthetic_blocks.py)
     # Generated once, into <cache_dir>/<hash of these settings>. Empty: $WM_CACHE or ~/.cache/wm.
     cache_dir: str = rule("", resume=FREE)  # where generated sets are kept (empty: $WM_CACHE or ~/.cache/wm)
 
@@ -149,8 +152,8 @@ class SyntheticConfig:
         from wm.synthetic import STYLES
 
         if self.style not in STYLES:
-            raise ConfigError("style", f"{self.style!r} must be one of {list(STYLES)} (blocks: solid columns; "
-                              "occ3d: Occ3D-like surfaces)")
+            raise ConfigError("style", f"{self.style!r} must be one of {list(STYLES)} (occ3d: Occ3D-like road "
+                              "scenes; airside: airport aprons; blocks: solid columns)")
         if self.compression not in COMPRESSIONS:
             raise ConfigError("compression", f"{self.compression!r} must be one of {list(COMPRESSIONS)}")
 
@@ -214,8 +217,12 @@ class StageConfig:
     best_metric: str = rule("val/miou", resume=MATCH)  # the validation metric that picks best.pt (see best_mode)
     best_mode: str = rule("max", resume=MATCH)  # max: higher best_metric is better; min: lower is better
     early_stop: int = 0  # stop after this many validations without improvement (0: never)
+    # Fine-tuning (init.from): module prefixes of the stage's model, e.g. "encoder", "quantizer"
+    freeze: tuple[str, ...] = rule((), resume=MATCH)  # module prefixes whose parameters stay fixed (each must have been loaded by init)
+    lr_mult: dict[str, float] = rule({}, resume=MATCH)  # module prefix -> learning-rate multiplier (the longest matching prefix wins)
 
     def validate(self) -> None:
+        check_prefixes(self.freeze, self.lr_mult)
         for k in ("epochs", "grad_accum"):
             if getattr(self, k) < 1:
                 raise ConfigError(k, f"{getattr(self, k)} must be >= 1")
@@ -285,6 +292,7 @@ class Config:
     ddp: DDPConfig = field(default_factory=DDPConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    init: InitConfig = field(default_factory=InitConfig)
 
     def validate(self) -> "Config":
         """Validate every section, then what spans sections. Returns self."""
@@ -345,7 +353,8 @@ def model_options(cfg: Config, stage: str) -> dict:
 
 def key_rules() -> dict[str, dict[str, tuple[str, str]]]:
     """{section: {key: (resume rule, --eval-only rule)}} of every config key."""
-    return {sec: {f.name: rules(cls, f.name) for f in dataclasses.fields(cls)} for sec, cls in _hints(Config).items()}
+    return {sec: {json_key(f.name): rules(cls, f.name) for f in dataclasses.fields(cls)}
+            for sec, cls in _hints(Config).items()}
 
 
 def stage_sections(stage: str) -> tuple[str, ...]:
@@ -361,6 +370,16 @@ def stage_sections(stage: str) -> tuple[str, ...]:
 
 def _hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+def json_key(name: str) -> str:
+    """A field's key in JSON and on the command line: `from_` is `from` (a Python keyword)."""
+    return name[:-1] if name.endswith("_") else name
+
+
+def _attr(cls, key: str) -> str:
+    """The field of `cls` behind JSON key `key`."""
+    return key + "_" if key + "_" in _hints(cls) else key
 
 
 def _type_name(tp) -> str:
@@ -389,6 +408,11 @@ def _coerce(value: Any, tp, key: str) -> Any:
             return _coerce(value, inner[-1], key)
         except ConfigError:
             raise ConfigError(key, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}") from None
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected {_type_name(tp)} (an object of keys), got {type(value).__name__} {value!r}")
+        kt, vt = args if args else (str, Any)
+        return {_coerce(k, kt, key): _coerce(v, vt, f"{key}.{k}") for k, v in value.items()}
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(key, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
@@ -417,7 +441,7 @@ def _coerce(value: Any, tp, key: str) -> Any:
 def _all_keys(cls, prefix: str = "") -> list[str]:
     keys = []
     for name, tp in _hints(cls).items():
-        full = f"{prefix}{name}"
+        full = f"{prefix}{json_key(name)}"
         keys.append(full)
         if dataclasses.is_dataclass(tp):
             keys.extend(_all_keys(tp, full + "."))
@@ -451,17 +475,18 @@ def from_dict(cls, d: Any, prefix: str = "", root_cls=None, base=None):
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
-    for k, v in d.items():
-        if k not in hints:
-            raise _unknown(f"{prefix}{k}", root_cls)
+    for key, v in d.items():
+        k = _attr(cls, key)
+        if k not in hints or json_key(k) != key:
+            raise _unknown(f"{prefix}{key}", root_cls)
         tp = hints[k]
         if dataclasses.is_dataclass(tp):
             f = fields[k]
             sub = getattr(base, k) if base is not None else (
                 f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-            kwargs[k] = from_dict(tp, v, f"{prefix}{k}.", root_cls, sub)
+            kwargs[k] = from_dict(tp, v, f"{prefix}{key}.", root_cls, sub)
         else:
-            kwargs[k] = _coerce(v, tp, f"{prefix}{k}")
+            kwargs[k] = _coerce(v, tp, f"{prefix}{key}")
     return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
 
 
@@ -474,9 +499,15 @@ def from_saved(d: Any) -> "Config":
     return from_dict(Config, d, base=base)
 
 
+def _plain(obj) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {json_key(f.name): _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    return obj
+
+
 def to_dict(cfg) -> dict:
-    """The config as plain JSON types (tuples become lists)."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+    """The config as plain JSON types (tuples become lists), keyed as in JSON files."""
+    return json.loads(json.dumps(_plain(cfg)))
 
 
 def _parse_raw(raw: str, tp) -> Any:
@@ -513,13 +544,14 @@ def apply_override(cfg, item: str) -> None:
     obj, parts = cfg, key.split(".")
     for i, part in enumerate(parts):
         hints = _hints(type(obj))
-        if part not in hints:
+        part = _attr(type(obj), part)
+        if part not in hints or part.endswith("_") and part[:-1] != parts[i]:
             raise _unknown(key, type(cfg))
         tp = hints[part]
         if i == len(parts) - 1:
             if dataclasses.is_dataclass(tp):
                 raise ConfigError(key, "is a section; set one of its keys, e.g. "
-                                  f"{key}.{next(iter(_hints(tp)))}=...")
+                                  f"{key}.{json_key(next(iter(_hints(tp))))}=...")
             setattr(obj, part, _coerce(_parse_raw(raw, tp), tp, key))
         else:
             if not dataclasses.is_dataclass(tp):

@@ -17,7 +17,7 @@ import json
 import textwrap
 import tokenize
 
-from wm.config import Config, _hints, _type_name, key_rules, to_dict
+from wm.config import Config, _hints, _type_name, json_key, key_rules, to_dict
 from wm.config_rules import WORDS
 
 INTRO = {
@@ -36,6 +36,7 @@ INTRO = {
     "ddp": "more than one rank: the collectives' timeout, DDP's gradient all-reduce",
     "checkpoint": "when checkpoints are written and how many are kept",
     "logging": "what is logged, and how often",
+    "init": "fine-tuning: the stages start from another run's weights (docs/FINETUNE.md)",
 }
 
 
@@ -66,7 +67,7 @@ def sections() -> list[tuple[str, list[tuple[str, str, str, str]]]]:
     for f in dataclasses.fields(Config):
         cls = type(getattr(cfg, f.name))
         notes = field_comments(cls)
-        rows = [(k, _type_name(tp), _default(values[f.name][k]), notes.get(k, ""))
+        rows = [(json_key(k), _type_name(tp), _default(values[f.name][json_key(k)]), notes.get(k, ""))
                 for k, tp in _hints(cls).items()]
         out.append((f.name, rows))
     return out

@@ -21,7 +21,10 @@ WORDS = {FREE: "may change", MATCH: "must match", ALLOWED: "--allow-changed"}
 
 def rule(default: Any, resume: str | None = None, evaluate: str | None = None) -> Any:
     """A field's default with its own rule for resume and/or --eval-only (else its section's)."""
-    return dataclasses.field(default=default, metadata={"resume": resume, "evaluate": evaluate})
+    meta = {"resume": resume, "evaluate": evaluate}
+    if isinstance(default, (dict, list)):  # a mutable default: each config its own copy
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
 
 
 def rules(section: type, key: str) -> tuple[str, str]:

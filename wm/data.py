@@ -34,8 +34,9 @@ def check_against_config(m: Manifest, cfg: DataConfig) -> None:
         raise DataError(f"{src}: grid {list(m.info.grid)} but data.grid is {list(cfg.grid)}; "
                         "set data.grid to match the data")
     if m.info.num_classes != cfg.num_classes:
-        raise DataError(f"{src}: {m.info.num_classes} classes but data.num_classes is "
-                        f"{cfg.num_classes}; set data.num_classes to match the data")
+        raise DataError(f"{src}: {m.info.num_classes} classes (free {m.info.free_class}) but data.num_classes is "
+                        f"{cfg.num_classes}; set data.num_classes={m.info.num_classes} data.free_class="
+                        f"{m.info.free_class} to match the data")
     if m.info.free_class != cfg.free_class:
         raise DataError(f"{src}: free class is {m.info.free_class} but data.free_class is "
                         f"{cfg.free_class}; set data.free_class to match the data")

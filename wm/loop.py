@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import random
 import signal
 import time
@@ -30,6 +29,7 @@ from wm.checkpoint import load_checked, newest_valid, read_json, rng_state, set_
 from wm.checkpointer import Checkpointer
 from wm.ckpt_checks import all_finite, checker, checkpoint_bytes, first_nonfinite, shapes
 from wm.config import Config, StageConfig, stage_batch, to_dict
+from wm.optim import lr_factor, make_optimizer
 from wm.data import ResumableSampler, make_loader, start_workers
 from wm.datastats import moving_classes
 from wm.errors import WMError
@@ -63,25 +63,6 @@ class Preemption:
 
 class Preempted(Exception):
     pass
-
-
-def lr_factor(step: int, total: int, s: StageConfig) -> float:
-    """Linear warm-up to lr, then cosine to min_lr at `total` steps (as a multiple of lr)."""
-    if s.warmup_steps and step < s.warmup_steps:
-        return (step + 1) / s.warmup_steps
-    span = max(1, total - s.warmup_steps)
-    p = min(1.0, (step - s.warmup_steps) / span)
-    lo = s.min_lr / s.lr
-    return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * p))
-
-
-def make_optimizer(model: nn.Module, s: StageConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices and kernels only (not on norms, biases, embeddings of 1 dim)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    other = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": other, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=s.lr, betas=tuple(s.betas),
-                             fused=device.type == "cuda")
 
 
 def seed_all(seed: int) -> None:
@@ -289,6 +270,7 @@ def fit(run: Run, stage, device: torch.device, dtype, stop: Preemption) -> dict:
         return done
     lp = StageLoop(run, stage, device, dtype)
     lp.resume()
+    lp.before()
     lp.start()
     with StepGC(run.cfg.ddp.gc_every) as collector:
         while lp.step < lp.total:
@@ -376,6 +358,7 @@ class StageLoop:
         self.opt.load_state_dict(st["optimizer"])
         self.scaler.load_state_dict(st["scaler"])
         self.sampler.load_state_dict(st["sampler"])
+        self.stage.init_source = st.get("init")  # the fine-tune's source, in every checkpoint after
         self.step, self.best, self.stale, self.last_val = st["step"], st.get("best"), st.get("stale", 0), \
             st.get("metrics", {})
         self.total = stage_total(self.s, self.step, self.sampler, self.batch)
@@ -391,6 +374,23 @@ class StageLoop:
                          f"{len(rngs)}: a step now takes {g * d.world_size} samples (it took {g * len(rngs)}); "
                          f"the data order goes on at sample {self.sampler.consumed} of epoch "
                          f"{self.sampler.epoch}; RNG streams re-seeded")
+
+    def before(self) -> None:
+        """A stage initialised from another run (init.from) is validated once before its first step:
+        the source model on this run's data, where the fine-tune starts (beside copy-last)."""
+        applied = getattr(self.stage, "init", None)
+        if applied is None or self.resumed:
+            return
+        name = self.stage.name
+        self.model.eval()
+        metrics, _ = self.stage.evaluate(self.model, self.d, self.dtype, self.device)
+        self.model.train()
+        self.logger.scalars(0, metrics, kind=f"{name}/before")
+        if self.d.is_main:
+            write_bytes(self.run.stage_dir(name) / "before.json", json.dumps(
+                {"step": 0, "metrics": metrics, "source": applied.source.provenance()}, indent=1))
+        self.logger.console(f"{name} before fine-tuning (the source model on this run's validation): " + ", ".join(
+            f"{k[4:]} {metrics[k]:.2f}" for k in sorted(metrics) if "_t" not in k and "class_iou" not in k))
 
     def start(self) -> None:
         """Say what trains, seed a fresh stage, wrap the model (DDP, torch.compile), start the data."""
@@ -413,7 +413,7 @@ class StageLoop:
     def schedule(self) -> None:
         """The learning rate of the step to take: warm-up, then cosine."""
         for g in self.opt.param_groups:
-            g["lr"] = self.s.lr * lr_factor(self.step, self.total, self.s)
+            g["lr"] = self.s.lr * lr_factor(self.step, self.total, self.s) * g.get("lr_mult", 1.0)
 
     def took(self, r: StepResult) -> Due:
         """Count a step taken; what it is due for. The first step's time is said apart: it compiles
@@ -459,7 +459,7 @@ class StageLoop:
         vals = D.mean_scalars({k: float(v) for k, v in r.terms.items()}, d)
         rec = {f"loss/{k}" if k in ("loss", "ce", "lovasz", "vq", "motion_l2") else f"train/{k}": v
                for k, v in vals.items()}
-        rec.update({"train/lr": self.opt.param_groups[0]["lr"], "train/grad_norm": float(r.grad_norm),
+        rec.update({"train/lr": self.s.lr * lr_factor(self.step - 1, self.total, self.s), "train/grad_norm": float(r.grad_norm),
                     "perf/samples_per_s": self.samples_since / dt, "perf/data_wait_frac": self.wait_since / dt,
                     "perf/device_hours": (time.perf_counter() - self.t_start) * d.world_size / 3600,
                     "train/epoch": self.sampler.epoch})
@@ -535,7 +535,8 @@ class StageLoop:
         state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": self.scaler.state_dict(),
                  "sampler": self.sampler.state_dict(), "step": self.step, "epoch": self.sampler.epoch, "rng": rng,
                  "best": self.best, "stale": self.stale, "metrics": metrics or self.last_val, "stage": name,
-                 "config": to_dict(self.cfg), "data_fingerprint": self.run.fingerprint}
+                 "config": to_dict(self.cfg), "data_fingerprint": self.run.fingerprint,
+                 "class_names": list(self.run.manifest.info.class_names), "init": getattr(self.stage, "init_source", None)}
         if name == "world":
             state["tokenizer"] = {"path": str(self.stage.tok_path), "sha256": self.stage.tok_sha}
         self.ckpt.save(state, self.step, metrics)

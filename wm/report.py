@@ -10,24 +10,33 @@ from wm.config import Config
 from wm.metrics import step_label
 
 
-def final_table(cfg: Config, results: dict, moving=(), step_s: Optional[float] = None) -> str:
+def final_table(cfg: Config, results: dict, moving=(), step_s: Optional[float] = None,
+                before: Optional[dict] = None) -> str:
     """The table printed when training ends: reconstruction, the forecast and copy-last per future
-    step (labelled in seconds where `step_s` is known), the `moving` classes' IoU per step."""
-    lines = []
+    step (labelled in seconds where `step_s` is known), the `moving` classes' IoU per step; with
+    `before` ({stage: metrics} of the stages init.from initialised) the source model's own figures
+    on this data before the first step."""
+    lines, before = [], before or {}
     if "tokenizer" in results:
-        r = results["tokenizer"]
-        lines.append(f"tokenizer reconstruction (val): IoU {r.get('val/iou', float('nan')):.2f}  "
-                     f"mIoU {r.get('val/miou', float('nan')):.2f}  codes used {100 * r.get('val/code_usage', 0):.0f}%")
+        for word, r in (("", results["tokenizer"]), (" before fine-tuning", before.get("tokenizer"))):
+            if r is not None:
+                lines.append(f"tokenizer reconstruction (val){word}: IoU {r.get('val/iou', float('nan')):.2f}  "
+                             f"mIoU {r.get('val/miou', float('nan')):.2f}  codes used {100 * r.get('val/code_usage', 0):.0f}%")
     if "world" in results:
         r = results["world"]
         S = cfg.data.future
         head = f"{'step':<10}" + "".join(f"{step_label(t + 1, step_s):>14}" for t in range(S)) + f"{'avg':>14}"
         lines.append(f"world-model forecast (val, {cfg.train.forecast_motion} ego motion), IoU / mIoU per future step:")
         lines.append(head)
-        for name, pre in (("forecast", "val/"), ("copy-last", "val/copy_last_")):
-            cells = "".join(f"{r.get(f'{pre}iou_t{t + 1}', float('nan')):>7.2f}/{r.get(f'{pre}miou_t{t + 1}', float('nan')):<6.2f}"
+        rows = [("forecast", "val/", r), ("copy-last", "val/copy_last_", r)]
+        if before.get("world") is not None:
+            rows.insert(1, ("before", "val/", before["world"]))
+        for name, pre, m in rows:
+            cells = "".join(f"{m.get(f'{pre}iou_t{t + 1}', float('nan')):>7.2f}/{m.get(f'{pre}miou_t{t + 1}', float('nan')):<6.2f}"
                             for t in range(S))
-            lines.append(f"{name:<10}{cells}{r.get(pre + 'iou', float('nan')):>7.2f}/{r.get(pre + 'miou', float('nan')):<6.2f}")
+            lines.append(f"{name:<10}{cells}{m.get(pre + 'iou', float('nan')):>7.2f}/{m.get(pre + 'miou', float('nan')):<6.2f}")
+        if before.get("world") is not None:
+            lines.append("(before: the init.from source's world model on this data, before fine-tuning)")
         lines += moving_table(r, S, moving, head) if moving else [
             "(no moving classes: the data set declares none and has no nuScenes-named ones; set "
             "data.moving_classes, or moving_classes in classes.json at conversion)"]

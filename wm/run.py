@@ -45,6 +45,7 @@ class Run:
                  allow_changed: tuple[str, ...] = ()):
         self.cfg, self.d = cfg, d
         self.locked = False
+        self.init_plan = None  # wm.init_from.plan: what init.from initialises (check_stages sets it)
         self.dir = Path(cfg.run.out_dir) / cfg.run.name
         say = print if d.is_main else (lambda *a, **k: None)
         self.say = say
@@ -108,6 +109,9 @@ class Run:
             elif prev.is_file():
                 history = self._check_same_run(prev, allow_new_data, allow_changed)
                 self.resuming = True
+                init = ((read_json(prev) or {}).get("meta") or {}).get("init")
+                if init:  # the fine-tune's sources (wm.init_from.record) stay named
+                    meta["init"] = init
             elif allow_changed:
                 raise WMError(f"--allow-changed resumes a run, but {self.dir} holds none yet; leave it out")
             if history:

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from wm import distributed as D
+from wm import distributed as D, init_from
 from wm.checkpoint import latest_checkpoint, newest_valid, sha256_file
 from wm.ckpt_checks import EVAL_KEYS, checker, meta_model, shapes
 from wm.config import Config, DataConfig, model_options
@@ -71,6 +71,7 @@ def check_stages(run: Run) -> None:
     indexes come from scene offsets alone, so this reads no frames. Also says whether training uses
     the visibility mask."""
     cfg, d = run.cfg, run.d
+    run.init_plan = init_from.plan(run)  # a source that cannot be used stops the run now
     if "world" in cfg.train.stages:  # first: the setting that reaches data.horizons_s, not "shorten the window"
         check_config_reaches(cfg, run.root, run.manifest.info.frame_rate_hz)
     for name in cfg.train.stages:
@@ -113,6 +114,9 @@ class TokenizerStage:
         torch.manual_seed(cfg.run.seed)  # the initial weights follow run.seed (torch seeds randomly)
         self.model = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid),
                                **model_options(cfg, self.name))
+        self.init = init_from.apply(run, self.name, self.model)  # init.from, while the stage has no checkpoint
+        self.init_source = self.init.source.provenance() if self.init else None
+        init_from.freeze(run, self.name, self.model, self.init)
         if cfg.compile.tokenizer_channels_last and compiles(cfg, run.d.device):
             # Inductor runs every convolution NHWC: weights laid out so, their gradients come so (no copy)
             self.model.to(memory_format=torch.channels_last)
@@ -143,6 +147,8 @@ class TokenizerStage:
         the device): its encoder outputs may be non-finite. A code's age is the youngest rank's (each
         rank ages the codes its own batch did not use), so a code in use anywhere is not dead."""
         m = unwrap(model)
+        if not m.quantizer.codebook.weight.requires_grad:  # a frozen codebook (tokenizer_stage.freeze) stays as loaded
+            return
         if d.active and m.quantizer.dead_code_steps > 0:
             D.all_reduce_(m.quantizer.code_age, d, op="min")
         if d.is_main:
@@ -172,6 +178,9 @@ class WorldStage:
     def __init__(self, run: Run, device: torch.device, dtype):
         cfg = run.cfg
         self.run, self.cfg, self.scfg = run, cfg, cfg.world_stage
+        if "tokenizer" not in cfg.train.stages:  # init.from's tokenizer, as it is, becomes this run's
+            torch.manual_seed(cfg.run.seed)
+            init_from.adopt_tokenizer(run, Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid)))
         tok_ckpt, st = tokenizer_checkpoint(run)
         self.tok_path, self.tok_sha = tok_ckpt, sha256_file(tok_ckpt)
         retire_stale_world(run, tok_ckpt, self.tok_sha)
@@ -189,6 +198,9 @@ class WorldStage:
         self.model = WorldModel(cfg.world, cfg.tokenizer.codebook_size, **model_options(cfg, self.name))
         if cfg.world.widths[0] == cfg.tokenizer.code_dim:  # OccWorld feeds the codebook vectors
             self.model.init_code_embedding(self.tokenizer.codebook)
+        self.init = init_from.apply(run, self.name, self.model)
+        self.init_source = self.init.source.provenance() if self.init else None
+        init_from.freeze(run, self.name, self.model, self.init)
 
     def loss(self, model: nn.Module, batch: dict) -> dict:
         # forward through the wrapper (DDP hooks it, torch.compile traces it), the loss inside it

@@ -1,7 +1,8 @@
-"""The built-in data set: procedural driving scenes, deterministic from a seed, written as shards
-and cached. Two styles (`synthetic.style`): "occ3d" (wm/synthetic_occ3d.py, Occ3D-like scenes, the
-demo's) and "blocks" (wm/synthetic_blocks.py, the first generator's solid columns); what their
-scenes share lives in wm/synthetic_road.py."""
+"""The built-in data set: procedural scenes, deterministic from a seed, written as shards and cached.
+Three styles (`synthetic.style`): "occ3d" (wm/synthetic_occ3d.py, Occ3D-like driving scenes, the
+demo's), "blocks" (wm/synthetic_blocks.py, the first generator's solid columns), both with Occ3D's
+classes and what their scenes share in wm/synthetic_road.py, and "airside" (wm/synthetic_airside.py,
+airport aprons with their own 17 classes: a second domain to fine-tune onto)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from wm import synthetic_blocks, synthetic_occ3d
+from wm import synthetic_airside, synthetic_blocks, synthetic_occ3d
 from wm.atomic import tmp_path
 from wm.errors import DataError
 from wm.shard_writer import ShardWriter
@@ -25,13 +26,21 @@ from wm.synthetic_road import DT
 RANGE = (-40.0, -40.0, -1.0, 40.0, 40.0, 5.4)
 
 
-def dataset_info(grid: tuple[int, int, int], with_mask: bool) -> DatasetInfo:
+def dataset_info(grid: tuple[int, int, int], with_mask: bool, style: str = "occ3d") -> DatasetInfo:
     X, Y, Z = grid
+    # the road styles keep Occ3D's classes and a manifest without class keys (so their fingerprints hold)
+    classes = {} if style != "airside" else dict(
+        num_classes=len(synthetic_airside.AIRSIDE_CLASSES), free_class=synthetic_airside.AIRSIDE_FREE,
+        class_names=synthetic_airside.AIRSIDE_CLASSES, moving_classes=synthetic_airside.AIRSIDE_MOVING,
+        class_colors=synthetic_airside.AIRSIDE_COLORS)
     return DatasetInfo(grid=tuple(grid), voxel_size=(80.0 / X, 80.0 / Y, 6.4 / Z), range=RANGE,
-                       frame_rate_hz=1 / DT, has_mask=with_mask)
+                       frame_rate_hz=1 / DT, has_mask=with_mask, **classes)
 
 
-STYLES = ("occ3d", "blocks")  # wm/synthetic_occ3d.py's Occ3D-like scenes | wm/synthetic_blocks.py's solid ones
+# wm/synthetic_occ3d.py's Occ3D-like scenes | wm/synthetic_blocks.py's solid ones | wm/synthetic_airside.py's aprons
+STYLES = ("occ3d", "blocks", "airside")
+# the cache key's generator number per style; occ3d and blocks keep theirs, so their caches keep their names
+GENERATOR = {"blocks": 1, "occ3d": 2, "airside": 3}
 
 
 def make_scene(seed: int, index: int, grid: tuple[int, int, int], frames: int,
@@ -39,6 +48,8 @@ def make_scene(seed: int, index: int, grid: tuple[int, int, int], frames: int,
     """One scene: dict(name, occ uint8 (T,X,Y,Z), pose float64 (T,4,4), timestamp int64 (T,), mask)."""
     if style == "blocks":
         return synthetic_blocks.make_scene(seed, index, grid, frames, with_mask, split_id)
+    if style == "airside":
+        return synthetic_airside.make_scene(seed, index, grid, frames, with_mask, split_id)
     if style != "occ3d":
         raise DataError(f"synthetic style {style!r} must be one of {list(STYLES)}")
     return synthetic_occ3d.make_scene(seed, index, grid, frames, with_mask, split_id)
@@ -63,7 +74,7 @@ def write_synthetic(out: str | os.PathLike, train_scenes: int, val_scenes: int, 
     if frames < 2 or train_scenes < 1 or val_scenes < 0:
         raise DataError("need frames >= 2, train_scenes >= 1, val_scenes >= 0")
     out.mkdir(parents=True, exist_ok=True)
-    info = dataset_info(tuple(grid), with_mask)
+    info = dataset_info(tuple(grid), with_mask, style)
     jobs = [(seed, i, tuple(grid), frames, with_mask, split_id, style)
             for split_id, n in enumerate((train_scenes, val_scenes)) for i in range(n)]
     if workers is None:
@@ -181,7 +192,7 @@ def ensure_synthetic(cfg, grid, log=print) -> Path:
     folder and renames it, so an interrupted run never leaves a half data set behind."""
     key = {"train_scenes": cfg.train_scenes, "val_scenes": cfg.val_scenes, "frames": cfg.frames,
            "seed": cfg.seed, "format": cfg.format, "compression": cfg.compression,
-           "with_mask": cfg.with_mask, "grid": list(grid), "generator": 2 if cfg.style == "occ3d" else 1}  # 1: the blocks style, as it was keyed
+           "with_mask": cfg.with_mask, "grid": list(grid), "generator": GENERATOR.get(cfg.style, 1)}
     h = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     base = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     path = base / f"synthetic-{h}"

@@ -26,6 +26,8 @@ import torch
 
 from wm import distributed as D
 from wm.atomic import write_bytes
+from wm.checkpoint import read_json
+from wm.init_from import recorded
 from wm.config import Config, load as load_config, to_dict
 from wm.data import resolve_root
 from wm.datastats import moving_classes
@@ -172,10 +174,15 @@ def main(argv=None, stop: Optional[Preemption] = None) -> int:
         if d.is_main:
             moving = moving_classes(run.manifest.info, cfg.data.moving_classes)
             step_s = step_seconds(cfg, run.manifest.info)
-            table = final_table(cfg, results, moving, step_s)
+            before = {n: b["metrics"] for n in results if isinstance(b := read_json(run.stage_dir(n) / "before.json"), dict)
+                      and isinstance(b.get("metrics"), dict)}
+            table = final_table(cfg, results, moving, step_s, before)
             minutes = (time.time() - t0) / 60
             print(f"\nrun {run.dir} finished in {minutes:.1f} min\n{table}")
             summary = make_summary(cfg, results, moving, step_s)
+            if before or cfg.init.from_:
+                summary["before"] = make_summary(cfg, before, moving, step_s)
+                summary["init"] = recorded(run.dir)
             summary["minutes"] = round(minutes, 2)
             write_bytes(run.dir / "summary.json", json.dumps(summary, indent=1))
         return 0

@@ -35,7 +35,7 @@ import contextlib
 import io
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -70,6 +70,7 @@ class Trained:
     ckpt: Path
     tokenizer_ckpt: Path
     data_fingerprint: str
+    init: dict = field(default_factory=dict)  # {stage: source} of a fine-tuned run (wm.init_from), else empty
 
 
 def find_run(runs: str | os.PathLike = "runs") -> Path:
@@ -139,7 +140,8 @@ def load_trained(run: str | os.PathLike, ckpt: Optional[str | os.PathLike] = Non
     except (RuntimeError, KeyError) as e:
         raise ExportError(f"{ckpt}: the weights do not fit the model its config describes "
                           f"({str(e).splitlines()[0]})") from None
-    return Trained(cfg, tok.eval(), world.eval(), ckpt, tpath, st.get("data_fingerprint", ""))
+    init = {k: v for k, v in (("tokenizer", tst.get("init")), ("world", st.get("init"))) if v}
+    return Trained(cfg, tok.eval(), world.eval(), ckpt, tpath, st.get("data_fingerprint", ""), init)
 
 
 # ---------------------------------------------------------------------------------------------
