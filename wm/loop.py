@@ -459,7 +459,8 @@ class StageLoop:
         vals = D.mean_scalars({k: float(v) for k, v in r.terms.items()}, d)
         rec = {f"loss/{k}" if k in ("loss", "ce", "lovasz", "vq", "motion_l2") else f"train/{k}": v
                for k, v in vals.items()}
-        rec.update({"train/lr": self.s.lr * lr_factor(self.step - 1, self.total, self.s), "train/grad_norm": float(r.grad_norm),
+        rec.update({"train/lr": self.s.lr * lr_factor(self.step - 1, self.total, self.s),  # the base rate (lr_mult 1)
+                    "train/grad_norm": float(r.grad_norm),
                     "perf/samples_per_s": self.samples_since / dt, "perf/data_wait_frac": self.wait_since / dt,
                     "perf/device_hours": (time.perf_counter() - self.t_start) * d.world_size / 3600,
                     "train/epoch": self.sampler.epoch})
@@ -536,7 +537,8 @@ class StageLoop:
                  "sampler": self.sampler.state_dict(), "step": self.step, "epoch": self.sampler.epoch, "rng": rng,
                  "best": self.best, "stale": self.stale, "metrics": metrics or self.last_val, "stage": name,
                  "config": to_dict(self.cfg), "data_fingerprint": self.run.fingerprint,
-                 "class_names": list(self.run.manifest.info.class_names), "init": getattr(self.stage, "init_source", None)}
+                 "class_names": list(self.run.manifest.info.class_names),
+                 "init": getattr(self.stage, "init_source", None)}
         if name == "world":
             state["tokenizer"] = {"path": str(self.stage.tok_path), "sha256": self.stage.tok_sha}
         self.ckpt.save(state, self.step, metrics)
