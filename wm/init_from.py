@@ -402,13 +402,6 @@ def record(run: Run, stage: str, prov: dict) -> None:
     write_bytes(path, json.dumps(d, indent=2) + "\n")
 
 
-def recorded(run_dir: Path) -> dict:
-    """{stage: source provenance} as config.json's meta records it (empty for a run from scratch)."""
-    d = read_json(run_dir / "config.json") or {}
-    init = (d.get("meta") or {}).get("init")
-    return init if isinstance(init, dict) else {}
-
-
 def adopt_tokenizer(run: Run, model: nn.Module) -> None:
     """A world-only run's tokenizer: the source's (classes remapped), written as this run's tokenizer
     checkpoint of step 0, so the token cache, evaluation and export find it as any run's."""

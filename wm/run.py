@@ -109,7 +109,7 @@ class Run:
             elif prev.is_file():
                 history = self._check_same_run(prev, allow_new_data, allow_changed)
                 self.resuming = True
-                init = ((read_json(prev) or {}).get("meta") or {}).get("init")
+                init = recorded(self.dir)
                 if init:  # the fine-tune's sources (wm.init_from.record) stay named
                     meta["init"] = init
             elif allow_changed:
@@ -230,6 +230,14 @@ def allowed_keys(rules: dict) -> str:
         if ks:
             groups.setdefault("<stage>_stage" if sec.endswith("_stage") else sec, ks)
     return ", ".join(f"{sec}.{{{','.join(ks)}}}" for sec, ks in groups.items())
+
+
+def recorded(run_dir: Path) -> dict:
+    """{stage: source} of a fine-tuned run's stages, as config.json's meta.init names them (empty for
+    a run from scratch)."""
+    d = read_json(run_dir / "config.json") or {}
+    init = (d.get("meta") or {}).get("init")
+    return init if isinstance(init, dict) else {}
 
 
 def run_identity(cfg: dict, stage: str, sections: tuple = ()) -> dict:

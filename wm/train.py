@@ -27,7 +27,6 @@ import torch
 from wm import distributed as D
 from wm.atomic import write_bytes
 from wm.checkpoint import read_json
-from wm.init_from import recorded
 from wm.config import Config, load as load_config, to_dict
 from wm.data import resolve_root
 from wm.datastats import moving_classes
@@ -36,7 +35,7 @@ from wm.evaluate import evaluate_run
 from wm.horizons import print_plan
 from wm.loop import Preempted, Preemption, fit
 from wm.report import final_table, make_summary
-from wm.run import Run
+from wm.run import Run, recorded
 from wm.stages import TokenizerStage, WorldStage, check_stages, step_seconds
 
 
