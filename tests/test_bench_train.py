@@ -51,7 +51,8 @@ def sets(args: list[str]) -> list[str]:
 def test_bench_writes_every_figure_with_sane_values(tiny, tmp_path, B):
     out = tmp_path / "bench.json"
     args = tiny.args(out="bench") + ["--steps", "2", "--warmup", "1", "--batches", "1,2", "--stage-batch", "world=2",
-                                     "--variants", "fp32-b1,bf16,onthefly,save", "--json", str(out)]
+                                     "--variants", "fp32-b1,bf16,recipe,onthefly,save", "--json", str(out),
+                                     "--set", "tokenizer_stage.global_batch=4", "--set", "tokenizer_stage.batch_size=2"]
     t = time.perf_counter()
     assert B.main(args) == 0
     took = time.perf_counter() - t
@@ -60,8 +61,13 @@ def test_bench_writes_every_figure_with_sane_values(tiny, tmp_path, B):
 
     assert d["machine"]["world_size"] == 1 and d["peaks_tflops"]["fp32"] > 0
     got = {(r["stage"], r["variant"]): r for r in d["results"]}
-    assert set(got) == {("tokenizer", "fp32-b1"), ("tokenizer", "bf16"), ("tokenizer", "save"),
-                        ("world", "fp32-b1"), ("world", "bf16"), ("world", "onthefly"), ("world", "save")}
+    assert set(got) == {("tokenizer", "fp32-b1"), ("tokenizer", "bf16"), ("tokenizer", "recipe"), ("tokenizer", "save"),
+                        ("world", "fp32-b1"), ("world", "bf16"), ("world", "recipe"), ("world", "onthefly"),
+                        ("world", "save")}
+    # the recipe variant is the config as it is: its global batch of 4 in 2 micro-batches of 2
+    rt = got["tokenizer", "recipe"]
+    assert (rt["batch"], rt["grad_accum"], rt["global_batch"], rt["stage_steps"]) == (2, 2, 4, 4)
+    assert rt["cuda_graphs"] is False and rt["compile"] is False and rt["first_step_s"] > 0
     assert [r["batch"] for r in d["sweeps"]["tokenizer"]] == [1, 2]
     assert [r["batch"] for r in d["sweeps"]["world"]] == [2]  # --stage-batch world=2 instead of --batches
     assert got["tokenizer", "fp32-b1"]["batch"] == 10  # OccWorld's batch 1: one 10-frame sample
@@ -73,10 +79,10 @@ def test_bench_writes_every_figure_with_sane_values(tiny, tmp_path, B):
             assert r["blocked_ratio"] == pytest.approx(r["async_blocked_s"] / r["sync_save_s"])
             assert len(r["async_blocked_s_all"]) == 3 and r["checkpoint_mib"] > 0
             continue
-        assert r["amp"] == ("fp32" if "fp32" in v else "bf16")
+        assert r["amp"] == ("fp32" if "fp32" in v or v == "recipe" else "bf16")  # recipe: the config's train.amp
         assert r["step_ms"] > 0 and r["step_ms_median"] > 0 and r["samples_per_s"] > 0
         # samples/s is what the timed steps trained on over their time
-        assert r["samples_per_s"] == pytest.approx(r["batch"] / (r["step_ms"] / 1e3), rel=1e-6)
+        assert r["samples_per_s"] == pytest.approx(r["global_batch"] / (r["step_ms"] / 1e3), rel=1e-6)
         assert 0 <= r["data_wait_frac"] <= 1
         assert r["flops_per_sample"] > 0
         assert r["flops_per_step"] == pytest.approx(r["flops_per_sample"] * r["global_batch"])
@@ -88,14 +94,13 @@ def test_bench_writes_every_figure_with_sane_values(tiny, tmp_path, B):
         assert r["host_gc_ms_max"] == max(r["host_gc_ms_each"])
     assert got["world", "onthefly"]["data"].startswith("occupancy") and got["world", "bf16"]["data"] == "token cache"
 
+    # the schedule's time from the recipe variant only: its steps x its samples a step over its rate
     x = d["extrapolation"]
-    assert x["tokenizer_frames"] == 200 * 700 * 5 * 10 and x["world_windows"] == 200 * 700 * 5
-    assert x["occworld_code_gpu_hours"] == pytest.approx(67.7, abs=0.1)  # ~68 H200-hours for OccWorld's own code
-    best_tok = max(r["samples_per_s"] for (s, v), r in got.items() if s == "tokenizer" and v != "save")
-    assert x["tokenizer"]["samples_per_s"] == best_tok
-    assert x["tokenizer"]["gpu_hours"] == pytest.approx(x["tokenizer_frames"] / best_tok / 3600)
-    assert x["world"]["window_frames"] == 4 and "gpu_hours_scaled_to_occworld_windows" in x["world"]
-    assert x["gpu_hours"] > 0
+    for stage in ("tokenizer", "world"):
+        r = got[stage, "recipe"]
+        assert x[stage]["samples_per_s"] == r["samples_per_s"] and x[stage]["steps"] == 4
+        assert x[stage]["gpu_hours"] == pytest.approx(4 * r["global_batch"] / r["samples_per_s"] / 3600)
+    assert x["gpu_hours"] == pytest.approx(x["tokenizer"]["gpu_hours"] + x["world"]["gpu_hours"])
     assert d["checks"] and all(isinstance(ok, bool) for ok in d["checks"].values())
 
     # FLOPs: wm.loop.count_flops of a batch of the same shape through the same stage

@@ -55,11 +55,17 @@ def test_help_config_prints_it():
 
 def test_stages_inherit_data_batch_size_unless_they_set_their_own():
     cfg = C.load(None, ["data.batch_size=3", "world_stage.batch_size=0"])
-    assert C.stage_batch(cfg, "tokenizer") == (3, "data.batch_size")
-    assert C.stage_batch(cfg, "world") == (3, "data.batch_size")
+    from wm.batching import stage_batch
+
+    def batch(cfg, stage):
+        b = stage_batch(cfg, stage)
+        return b.micro, b.words.split(" from ")[1].split(" ")[0]
+
+    assert batch(cfg, "tokenizer") == (3, "data.batch_size")
+    assert batch(cfg, "world") == (3, "data.batch_size")
     cfg = C.load(None, ["data.batch_size=3", "world_stage.batch_size=5"])
-    assert C.stage_batch(cfg, "world") == (5, "world_stage.batch_size")
-    assert C.stage_batch(C.load(None), "world") == (4, "world_stage.batch_size")  # the demo's own
+    assert batch(cfg, "world") == (5, "world_stage.batch_size")
+    assert batch(C.load(None), "world") == (4, "world_stage.batch_size")  # the demo's own
     # a run folder written when the tokenizer stage had its own default of 8 is the same config
     old = C.to_dict(C.Config())
     old["tokenizer_stage"]["batch_size"] = 8

@@ -39,16 +39,18 @@ def test_on_a_cpu_every_step_check_runs_with_gloo_and_passes(tiny):
     assert r.returncode == 0, r.stdout + r.stderr
     got = rows(r.stdout)
     assert got["cuda tests"][0] == "SKIP" and "no CUDA here" in got["cuda tests"][1]
-    want = ["versions", "steps 1 cpu tokenizer", "steps 1 cpu world", "ddp 2xcpu tokenizer", "ddp 2xcpu world",
-            "all-reduce", "reads"]
+    steps = ["steps 1 cpu tokenizer", "steps 1 cpu world", "ddp 2xcpu tokenizer", "ddp 2xcpu world"]
+    want = ["versions"] + [k for s in steps for k in (s, s + " captured")] + ["all-reduce", "reads"]
     assert [k for k in got if k != "cuda tests"] == want, r.stdout
     assert all(got[k][0] == "PASS" for k in want), r.stdout
-    for k in want[1:5]:  # compiled against eager, the same weights and batch
+    for k in steps:  # the captured step's code, run as it is on a CPU, is the uncaptured step bitwise
+        assert "(worst rel 0.0e+00); not captured (no GPU" in got[k + " captured"][1], got[k + " captured"]
+    for k in steps:  # compiled against eager, the same weights and batch
         rel = [float(x) for x in re.findall(r"\(rel ([0-9.e+-]+)\)", got[k][1])]
         assert len(rel) == 2 and max(rel) <= 1e-5, got[k]
     assert re.search(r"[0-9.]+ GB/s bus bandwidth, 4 MiB fp32 on 2 ranks \(gloo\)", got["all-reduce"][1])
     assert re.search(r"[0-9.]+ windows/s", got["reads"][1])
-    assert "8 of 8 rows pass or skip, 0 fail" in r.stdout
+    assert "12 of 12 rows pass or skip, 0 fail" in r.stdout
 
 
 def test_a_failing_row_makes_the_exit_status_non_zero(tmp_path):

@@ -689,9 +689,10 @@ def test_logger_failing_mid_run_warns_once_and_training_finishes(tiny, monkeypat
 
 
 def test_world_crop_trains_on_one_random_square_of_the_token_map():
-    """train.world_crop: every batch's codes (and cell mask) are cut to one crop x crop square, the
-    same for all its frames, at offsets drawn from the torch RNG (so resume replays them); 0 keeps
-    the whole map. The loss is the world model's loss on that square."""
+    """train.world_crop: every batch's codes (and cell mask) are cut on the host (WorldStage.prepare,
+    before the copy to the device) to one crop x crop square, the same for all its frames, at offsets
+    drawn from the torch RNG (so resume replays them); 0 keeps the whole map. The loss is the world
+    model's loss on that square."""
     from types import SimpleNamespace
 
     from wm.world import WorldConfig, WorldModel
@@ -708,7 +709,9 @@ def test_world_crop_trains_on_one_random_square_of_the_token_map():
         return SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(world_crop=crop)))
 
     torch.manual_seed(5)
-    res = WorldStage.loss(stage(4), model, batch)
+    cut = WorldStage.prepare(stage(4), batch)
+    assert cut["motion"] is motion and cut["codes"].is_contiguous()
+    res = WorldStage.loss(stage(4), model, cut)
     torch.manual_seed(5)  # the offsets the stage drew
     i, j = int(torch.randint(0, 8 - 4 + 1, ())), int(torch.randint(0, 6 - 4 + 1, ()))
     sq = codes[..., i:i + 4, j:j + 4]
@@ -716,8 +719,10 @@ def test_world_crop_trains_on_one_random_square_of_the_token_map():
     ref = model.loss(model(sq[:, :-1], motion[:, :-1]), sq[:, 1:], motion[:, 1:],
                      mask=mask[..., i:i + 4, j:j + 4][:, 1:])
     assert torch.equal(res["loss"], ref["loss"])
+    assert WorldStage.prepare(stage(0), batch) is batch  # 0: the whole map
+    assert WorldStage.prepare(stage(8), batch) is batch  # a crop no smaller than the map keeps it whole
     WorldStage.loss(stage(0), model, batch)
-    assert seen[-1].shape == (2, 3, 8, 6)  # 0: the whole map
+    assert seen[-1].shape == (2, 3, 8, 6)
 
 
 def test_logged_rate_leaves_out_the_validation_time(tiny, restore_signals, one_thread, monkeypatch):

@@ -108,9 +108,11 @@ from wm.config import load as load_config, model_options, to_dict  # noqa: E402
 from wm.errors import WMError, run_cli  # noqa: E402
 from wm.host_gc import GCPauses, StepGC  # noqa: E402
 from wm.run import Run  # noqa: E402
+from wm.step_graph import WARMUP as GW, GraphedStep, plain_optimizer_state, set_lr  # noqa: E402
 from wm.tokenizer import Tokenizer  # noqa: E402
 
-VARIANTS = ("fp32-b1", "bf16", "bf16-compile", "bf16-ckpt1", "bf16-ckptk", "onthefly", "onthefly-fp32-b1", "save")
+VARIANTS = ("fp32-b1", "bf16", "bf16-compile", "graphs", "recipe", "bf16-ckpt1", "bf16-ckptk", "onthefly",
+            "onthefly-fp32-b1", "save")
 WORLD_ONLY = ("onthefly", "onthefly-fp32-b1")
 
 # OccWorld's recipe as its code counts it (see the module docstring)
@@ -208,30 +210,28 @@ class Runner:
     rate and runs wm.loop.train_step: the loop's step, nothing else."""
 
     def __init__(self, stage, cfg, d: D.Dist, device: torch.device, dtype):
-        self.s = stage.scfg
         self.stage, self.cfg, self.d, self.device, self.dtype = stage, cfg, d, device, dtype
         p = L.stage_parts(stage, cfg, d, device, dtype)
-        self.model, self.batch, self.opt, self.scaler = p.model, p.batch, p.opt, p.scaler
+        self.s, self.model, self.batch, self.opt, self.scaler = p.s, p.model, p.batch, p.opt, p.scaler
         self.sampler, self.loader, self.total = p.sampler, p.loader, p.total
         L.seed_all(cfg.run.seed * 1000 + d.rank)
-        self.ddp = W.wrap_ddp(self.model, cfg, device, d)
-        self.fwd = W.compiled(self.ddp, cfg, stage.inductor_options())
+        self.run_step, self.compiling = L.make_step(stage, p, cfg, device, dtype, d, say=lambda *a, **k: say(d, *a, **k))
+        self.graphed = isinstance(self.run_step, GraphedStep)
         self.next_batch = L.BatchStream(self.loader, self.sampler, self.batch * d.world_size)
         self.step_no = 0
         self.model.train()
 
     def step(self) -> L.StepResult:
         for g in self.opt.param_groups:
-            g["lr"] = self.s.lr * L.lr_factor(self.step_no, self.total, self.s)
-        r = L.train_step(self.stage, self.model, self.opt, self.scaler, self.next_batch, self.s,
-                         self.device, self.dtype, self.d, ddp=self.ddp, fwd=self.fwd)
+            set_lr(g, self.s.lr * L.lr_factor(self.step_no, self.total, self.s))
+        r = self.run_step(self.next_batch)
         self.step_no += 1
         return r
 
     def state(self) -> dict:
         """What fit checkpoints (every rank takes part: the RNG states are gathered)."""
         rng = D.gather_objects(rng_state(), self.d)
-        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+        return {"model": self.model.state_dict(), "optimizer": plain_optimizer_state(self.opt),
                 "scaler": self.scaler.state_dict(), "sampler": self.sampler.state_dict(),
                 "step": self.step_no, "epoch": self.sampler.epoch, "rng": rng, "config": to_dict(self.cfg)}
 
@@ -249,11 +249,14 @@ class Bench:
         self.run, self.d, self.device, self.a, self.peaks = run, d, device, a, peaks
         self.cuda = device.type == "cuda"
 
-    def variant_cfg(self, stage: str, amp: str, batch: int, compile_: bool = False, ckpt_every: int = 0):
+    def variant_cfg(self, stage: str, amp: str, batch: int, compile_: bool = False, ckpt_every: int = 0,
+                    graphs: bool = False):
+        """The config at one per-GPU batch (no accumulation, no global batch), precision, compile and capture."""
         cfg = copy.deepcopy(self.run.cfg)
-        cfg.train.amp, cfg.compile.enable = amp, compile_
+        cfg.train.amp, cfg.compile.enable, cfg.compile.cuda_graphs = amp, compile_, graphs
         setattr(cfg.activation_checkpoint, f"{stage}_every", ckpt_every)
-        getattr(cfg, f"{stage}_stage").batch_size = batch
+        s = getattr(cfg, f"{stage}_stage")
+        s.batch_size, s.grad_accum, s.global_batch = batch, 1, 0
         return cfg.validate()
 
     def make_stage(self, stage: str, cfg, dtype, onthefly: bool = False):
@@ -289,8 +292,12 @@ class Bench:
         try:
             # at least one untimed step after the FLOP count: a one-off its eager pass leaves (on
             # CUDA, an allocator cache laid out for that pass) is not a training step
-            warmup = max(a.warmup, 3 if cfg.compile.enable else 2)
+            warmup = max(a.warmup, 3 if cfg.compile.enable else 2, GW + 2 if runner.graphed else 0)
+            t_first = time.perf_counter()
             r = runner.step()
+            if self.cuda:
+                torch.cuda.synchronize(device)
+            first_s = time.perf_counter() - t_first  # compilation, when it compiles
             # FLOPs of one sample's forward + backward on a batch of this variant's shape (the plain
             # module: no compile, no recomputation from activation checkpointing: the model's FLOPs)
             flops_per_sample = L.count_flops(st, runner.model, r.batch, device, dtype)
@@ -358,11 +365,12 @@ class Bench:
             act, mallocs = None, [None, None]
         sps = samples / total
         achieved = flops_per_sample * sps  # all ranks together
-        s = getattr(cfg, f"{stage}_stage")
+        s = runner.s  # as this world size runs it: micro-batch and accumulation
         prec = "fp32" if dtype is None else {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
         rec = {"stage": stage, "variant": name, "status": "ok", "amp": prec, "batch": runner.batch,
                "grad_accum": s.grad_accum, "global_batch": runner.batch * s.grad_accum * d.world_size,
-               "world_size": d.world_size, "compile": cfg.compile.enable, "compile_mode": cfg.compile.mode,
+               "world_size": d.world_size, "compile": runner.compiling, "compile_mode": cfg.compile.mode,
+               "cuda_graphs": runner.graphed, "first_step_s": self._agree(first_s, "max"), "stage_steps": runner.total,
                "checkpoint_every": getattr(cfg.activation_checkpoint, f"{stage}_every"),
                "data": ("occupancy windows, encoded each step" if onthefly else
                         "token cache" if stage == "world" else "occupancy frames"),
@@ -564,37 +572,36 @@ def find(results: list, stage: str, variant: str):
 
 
 def extrapolate(results: list) -> dict:
-    o = OCCWORLD
-    per_epoch = o["train_scenes"] * o["samples_per_scene"]
-    need = {"tokenizer": o["tokenizer_epochs"] * per_epoch * o["tokenizer_frames_per_sample"],  # frames
-            "world": o["world_epochs"] * per_epoch}  # windows
-    out = {"assumption": f"OccWorld's count: {o['train_scenes']} train scenes x {o['samples_per_scene']} random "
-                         f"windows per epoch; tokenizer {o['tokenizer_epochs']} epochs of "
-                         f"{o['tokenizer_frames_per_sample']}-frame samples, world model {o['world_epochs']} "
-                         f"epochs of {o['world_window_frames']}-frame windows",
-           "tokenizer_frames": need["tokenizer"], "world_windows": need["world"]}
-    ref_h = (need["tokenizer"] / o["ref_tokenizer_frames_per_s"] + need["world"] / o["ref_world_samples_per_s"]) / 3600
-    out["occworld_code_gpu_hours"] = ref_h
+    """The config's whole schedule on this many GPUs from the `recipe` variant, the config's own batch:
+    each stage's optimizer steps (max_steps, or its epochs over this data) x the samples a step takes,
+    over the rate measured at that batch. Nothing here comes from another batch."""
+    out = {"assumption": "each stage's optimizer steps x its samples a step, over the samples/s measured at "
+                         "the config's own batch (variant recipe)"}
     total, complete = 0.0, True
     for stage in ("tokenizer", "world"):
-        b = best_of(results, stage)
-        if b is None:
+        r = find(results, stage, "recipe")
+        if r is None:
             complete = False
             continue
-        hours = need[stage] / b["samples_per_s"] / 3600
-        e = {"variant": b["variant"], "batch": b["batch"], "samples_per_s": b["samples_per_s"],
-             "world_size": b["world_size"], "hours": hours, "gpu_hours": hours * b["world_size"]}
-        if stage == "world":
-            e["window_frames"] = b["window_frames"]
-            if b["window_frames"] != o["world_window_frames"]:
-                scale = (o["world_window_frames"] - 1) / max(1, b["window_frames"] - 1)
-                e["gpu_hours_scaled_to_occworld_windows"] = e["gpu_hours"] * scale
-                e["note"] = (f"measured on {b['window_frames']}-frame windows, OccWorld trains on "
-                             f"{o['world_window_frames']}: scaled by input frames ({scale:.2f}x); run with "
-                             "16-frame windows (--set data.future=11) for the like-for-like figure")
-        out[stage] = e
-        total += e.get("gpu_hours_scaled_to_occworld_windows", e["gpu_hours"])
+        hours = r["stage_steps"] * r["global_batch"] / r["samples_per_s"] / 3600
+        out[stage] = {"variant": "recipe", "steps": r["stage_steps"], "global_batch": r["global_batch"],
+                      "batch": r["batch"], "grad_accum": r["grad_accum"], "samples_per_s": r["samples_per_s"],
+                      "world_size": r["world_size"], "hours": hours, "gpu_hours": hours * r["world_size"]}
+        total += hours * r["world_size"]
     out["gpu_hours"] = total if complete else None
+    return out
+
+
+def small_batch_checks(results: list) -> list:
+    """The captured step's per-sample rate at small batches against a large one's (variant graphs)."""
+    out = []
+    for stage, big, small in (("world", 16, ((4, 0.8), (1, 0.5))), ("tokenizer", 32, ((8, 0.8), (16, 0.8)))):
+        rates = {r["batch"]: r["samples_per_s"] for r in results
+                 if r["stage"] == stage and r["variant"] == "graphs" and r.get("status") == "ok"}
+        for b, need in small:
+            if big in rates and b in rates:
+                out.append((f"{stage}: captured step at batch {b} {rates[b]:.1f}/s = {100 * rates[b] / rates[big]:.0f}% "
+                            f"of batch {big}'s {rates[big]:.1f}/s (>= {100 * need:.0f}%)", rates[b] >= need * rates[big]))
     return out
 
 
@@ -631,10 +638,7 @@ def checks(results: list, extra: dict, cuda: bool, card: str) -> list:
         out.append((f"world: token cache {cache['samples_per_s']:.1f}/s vs encoding on the fly "
                     f"{fly['samples_per_s']:.1f}/s ({cache['samples_per_s'] / fly['samples_per_s']:.2f}x)",
                     cache["samples_per_s"] > fly["samples_per_s"]))
-    if cuda and extra.get("gpu_hours") is not None:
-        out.append((f"OccWorld's recipe in {extra['gpu_hours']:.1f} GPU-hours <= {TARGETS['gpu_hours']:.0f}",
-                    extra["gpu_hours"] <= TARGETS["gpu_hours"]))
-    return out
+    return out + small_batch_checks(results)
 
 
 def table(results: list) -> str:
@@ -718,8 +722,8 @@ def parse_args(argv=None):
                     help="per-GPU batches the bf16 sweep tries, in order (tokenizer: frames; world: windows); "
                          "default 1,2,4,8,16,32,64 on CUDA, the config's stage batch on a CPU")
     ap.add_argument("--stage-batch", action="append", default=[], metavar="STAGE=B",
-                    help="this stage's batch instead of --batches, e.g. tokenizer=32 world=16 (repeatable): both "
-                         "stages timed in one process at their own batches")
+                    help="this stage's batches instead of --batches, e.g. tokenizer=8,16,32 world=1,4,16 (repeatable): "
+                         "both stages timed in one process at their own batches")
     ap.add_argument("--ckpt-k", type=int, default=2, help="checkpoint every k-th block in the bf16-ckptk variant")
     ap.add_argument("--steps", type=int, default=15, help="timed steps per variant")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (at least 2, compile: 3; the FLOP count runs after the first)")
@@ -747,9 +751,10 @@ def parse_args(argv=None):
         stage_batch = {}
         for kv in a.stage_batch:
             st, _, b = kv.partition("=")
-            if st not in ("tokenizer", "world") or not b.isdigit() or int(b) < 1:
-                ap.error(f"--stage-batch {kv!r} must be tokenizer=B or world=B with B >= 1")
-            stage_batch[st] = [int(b)]
+            bs = b.split(",")
+            if st not in ("tokenizer", "world") or not all(x.isdigit() and int(x) >= 1 for x in bs):
+                ap.error(f"--stage-batch {kv!r} must be tokenizer=B[,B...] or world=B[,B...] with B >= 1")
+            stage_batch[st] = [int(x) for x in bs]
         a.stage_batch = stage_batch
         if a.batches == [] or min(a.batches or [1]) < 1 or a.steps < 1 or a.warmup < 0 or a.saves < 1 or a.ckpt_k < 1:
             ap.error("--batches, --steps, --saves, --ckpt-k must be >= 1 and --warmup >= 0")
@@ -832,6 +837,14 @@ def main(argv=None) -> int:
                     results.append(top)
                 elif v == "bf16-compile":
                     report(bench.attempt(stage, v, bench.variant_cfg(stage, "bf16", best_batch, compile_=True)))
+                elif v == "graphs":  # what train.py runs on CUDA, at each batch
+                    for b in batches:
+                        rec = bench.attempt(stage, v, bench.variant_cfg(stage, "bf16", b, compile_=True, graphs=True))
+                        report(rec)
+                        if rec["status"] != "ok":
+                            break
+                elif v == "recipe":  # the config as it is: its batch, precision, compile and capture
+                    report(bench.attempt(stage, v, copy.deepcopy(cfg)))
                 elif v == "bf16-ckpt1":
                     report(bench.attempt(stage, v, bench.variant_cfg(stage, "bf16", best_batch, ckpt_every=1)))
                 elif v == "bf16-ckptk":
@@ -865,17 +878,15 @@ def main(argv=None) -> int:
                   f"of {cfg.data.window} frames); MFU over the measured {'bf16' if cuda else 'fp32'} matmul peak "
                   f"({peaks['bf16' if cuda else 'fp32']:.3g} TFLOP/s{' per GPU' if cuda else ''})")
             print(table(results))
-            print(f"\nOccWorld's recipe ({extra['assumption']}):")
+            if any(extra.get(st) for st in ("tokenizer", "world")):
+                print(f"\nthe config's schedule ({extra['assumption']}):")
             for stage in ("tokenizer", "world"):
                 e = extra.get(stage)
                 if e:
-                    more = (f" ({e['gpu_hours_scaled_to_occworld_windows']:.1f} scaled to "
-                            f"{OCCWORLD['world_window_frames']}-frame windows)" if "note" in e else "")
-                    print(f"  {stage:<10} {e['samples_per_s']:.2f}/s ({e['variant']}, batch {e['batch']}): "
-                          f"{e['gpu_hours']:.2f} GPU-hours{more}")
+                    print(f"  {stage:<10} {e['steps']} steps x {e['global_batch']} samples at {e['samples_per_s']:.2f}/s "
+                          f"(batch {e['batch']} x {e['grad_accum']} x {e['world_size']} GPU): {e['gpu_hours']:.2f} GPU-hours")
             if extra["gpu_hours"] is not None:
-                print(f"  total {extra['gpu_hours']:.2f} GPU-hours (OccWorld's own code: "
-                      f"{extra['occworld_code_gpu_hours']:.1f} {OCCWORLD['ref_card']}-hours)")
+                print(f"  total {extra['gpu_hours']:.2f} GPU-hours")
             for name, ok in found:
                 print(f"{'PASS' if ok else 'FAIL'}  {name}")
             if a.json:

@@ -16,7 +16,9 @@ Rows:
   steps       one training step of each stage (wm.loop.train_step, as fit runs it) eager and
               torch.compile'd from the same weights and batch, on one device: the loss and the gradient
               norm must agree within --loss-tol / --grad-tol (relative); the compiled step's first call
-              (compilation included) is timed
+              (compilation included) is timed. Then "captured": the same steps compiled with and without
+              compile.cuda_graphs (wm/step_graph.py; warm-up, capture, replays), each loss within
+              --loss-tol; on CUDA the step must have been captured
   ddp steps   the same under DDP on --ranks processes (torchrun, NCCL; gloo on a CPU) when that many
               GPUs exist, in 1 MiB gradient buckets (several, as at the occworld sizes with 100 MiB);
               also fails if DDP warns that a gradient's strides differ from its bucket view's (a copy
@@ -58,6 +60,9 @@ from wm import distributed as D  # noqa: E402
 from wm.errors import WMError, first_line, run_cli  # noqa: E402
 
 CHECKS = ("versions", "tests", "steps", "ddp", "allreduce", "reads")
+from wm.step_graph import WARMUP as STEP_GRAPH_WARMUP  # noqa: E402
+
+GRAPH_STEPS = STEP_GRAPH_WARMUP + 3  # uncaptured warm-up steps, then the capture and two replays
 RESULT = "GPUCHECK "  # a worker's result line
 
 
@@ -202,21 +207,27 @@ def worker(a) -> int:
         dtype = T.amp_dtype(cfg, device)
         if a.backend != "inductor":  # CPU tests: the same capture, without Inductor's compile time
             real = W.compiled
-            W.compiled = lambda ddp, c, inductor=None: (torch.compile(ddp, backend=a.backend)
-                                                        if W.compiles(c, device) else real(ddp, c, inductor))
+            W.compiled = lambda ddp, c, inductor=None, steps=None: (
+                torch.compile(ddp, backend=a.backend) if W.compiles(c, device) else real(ddp, c, inductor, steps))
         run = Run(cfg, d)
         run.say = lambda *x, **k: None
         for name in cfg.train.stages:
             if name == "world":
                 B.ensure_tokenizer_checkpoint(run, d)
             res = {}
-            for mode in ("eager", "compiled"):
+            # eager and compiled: one step each from the same weights and batch; compiled and graphed:
+            # the same GRAPH_STEPS steps uncaptured and captured (the last ones replayed graphs)
+            # (on a CPU the graphed steps run uncompiled against the eager ones: one compile fewer)
+            cuda = device.type == "cuda"
+            for mode in ("eager", "compiled", "graphed"):
                 c = copy.deepcopy(cfg)
-                c.compile.enable = mode == "compiled"
+                c.compile.enable = mode == "compiled" or mode == "graphed" and cuda
+                c.compile.cuda_graphs = mode == "graphed"
                 vrun = copy.copy(run)
                 vrun.cfg = c
                 stage = TokenizerStage(vrun) if name == "tokenizer" else WorldStage(vrun, device, dtype)
                 runner = B.Runner(stage, c, d, device, dtype)
+                losses = []
                 try:
                     with warnings.catch_warnings(record=True) as seen:
                         warnings.simplefilter("always")
@@ -224,10 +235,15 @@ def worker(a) -> int:
                         r = runner.step()
                         loss, gnorm = float(r.terms["loss"]), float(r.grad_norm)
                         took = time.perf_counter() - t0
+                        losses.append(loss)
+                        for _ in range(GRAPH_STEPS - 1 if mode == "graphed" or (mode == "compiled") == cuda else 0):
+                            losses.append(float(runner.step().terms["loss"]))
+                    graphed = runner.graphed and runner.run_step.graphs is not None
                 finally:
                     runner.close()
                 strides = [first_line(str(w.message)) for w in seen if "bucket view strides" in str(w.message)]
-                res[mode] = {"loss": loss, "grad_norm": gnorm, "seconds": took, "stride_warnings": strides}
+                res[mode] = {"loss": loss, "grad_norm": gnorm, "seconds": took, "stride_warnings": strides,
+                             "losses": losses, "captured": graphed}
             out["stages"][name] = res
         if a.allreduce_mib > 0 and d.active:
             out["allreduce"] = allreduce_busbw(d, a.allreduce_mib)
@@ -277,6 +293,20 @@ def step_rows(label: str, res: dict, a) -> list[dict]:
         elif not ok:
             text = f"beyond --loss-tol {a.loss_tol:g} / --grad-tol {a.grad_tol:g}: " + text
         rows.append(row(f"{label} {name}", "PASS" if ok else "FAIL", text))
+        g = r.get("graphed")
+        if g:  # the captured step against the same steps uncaptured (compiled on CUDA, eager on a CPU)
+            c = c if len(c["losses"]) > 1 else e
+            worst = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(g["losses"], c["losses"]))
+            ok = worst <= a.loss_tol and len(g["losses"]) == len(c["losses"]) and all(map(math.isfinite, g["losses"]))
+            how = (f"steps {STEP_GRAPH_WARMUP + 1}-{len(g['losses'])} replayed as CUDA graphs" if g["captured"]
+                   else "not captured (no GPU: the captured step's code ran as it is)")
+            text = (f"{len(g['losses'])} steps, losses {' '.join(f'{x:.5g}' for x in g['losses'])} vs uncaptured "
+                    f"{' '.join(f'{x:.5g}' for x in c['losses'])} (worst rel {worst:.1e}); {how}")
+            if not ok:
+                text = f"beyond --loss-tol {a.loss_tol:g}: " + text
+            elif a.device == "cuda" and not g["captured"]:
+                ok, text = False, "the step was not captured on CUDA: " + text
+            rows.append(row(f"{label} {name} captured", "PASS" if ok else "FAIL", text))
     return rows
 
 
@@ -292,7 +322,7 @@ def run_worker(a, work: Path, ranks: int, tag: str) -> tuple:
                           f"train.device={a.device}", "logging.tensorboard=false", "logging.images=false",
                           "loader.num_workers=0", f"tokenizer_stage.batch_size={a.batch}",
                           f"world_stage.batch_size={a.batch}", "tokenizer_stage.grad_accum=1",
-                          "world_stage.grad_accum=1"]
+                          "world_stage.grad_accum=1", "tokenizer_stage.global_batch=0", "world_stage.global_batch=0"]
     for kv in sets:
         args += ["--set", kv]
     script = str(Path(__file__).resolve())

@@ -204,9 +204,11 @@ class StageConfig:
 
     RESUME, EVALUATE = ALLOWED, FREE
     epochs: int = 10  # passes over the training samples (unless max_steps is set)
-    max_steps: int = 0  # >0: stop after this many optimizer steps (smoke runs), else epochs decide
+    max_steps: int = 0  # >0: the stage's length in optimizer steps (a recipe counted in steps, a smoke run), else epochs decide
     batch_size: int = rule(0, resume=MATCH)  # per rank and micro-step; 0: data.batch_size (the log says which applies)
-    grad_accum: int = rule(1, resume=MATCH)  # micro-steps per optimizer step
+    grad_accum: int = rule(1, resume=MATCH)  # micro-steps per optimizer step (with global_batch: follows from it)
+    # a recipe's batch: the same samples a step on any number of ranks (wm/batching.py)
+    global_batch: int = rule(0, resume=MATCH)  # >0: samples per optimizer step, all ranks; batch_size then caps the micro-batch
     lr: float = 1e-3  # peak AdamW learning rate
     min_lr: float = 1e-6  # where the cosine schedule ends
     warmup_steps: int = 50  # linear warm-up from 0 to lr
@@ -228,7 +230,10 @@ class StageConfig:
                 raise ConfigError(k, f"{getattr(self, k)} must be >= 1")
         if self.eval_every < -1:
             raise ConfigError("eval_every", f"{self.eval_every} must be >= 0, or -1 (only at the end)")
-        for k in ("max_steps", "batch_size", "warmup_steps", "early_stop"):
+        if self.global_batch and self.grad_accum != 1:
+            raise ConfigError("grad_accum", f"{self.grad_accum}: with global_batch={self.global_batch} the micro-steps "
+                              "follow from it and batch_size; leave grad_accum at 1")
+        for k in ("max_steps", "batch_size", "global_batch", "warmup_steps", "early_stop"):
             if getattr(self, k) < 0:
                 raise ConfigError(k, f"{getattr(self, k)} must be >= 0")
         if not self.lr > 0:
@@ -317,13 +322,6 @@ class Config:
                               f"data.future={self.data.future} feeds; set --set world.max_frames={self.data.window - 1} "
                               "(or reach the horizons with fewer, farther frames: data.stride)")
         return self
-
-
-def stage_batch(cfg: Config, stage: str) -> tuple[int, str]:
-    """(batch size per rank and micro-step, the key it came from) of stage "tokenizer" or "world":
-    <stage>_stage.batch_size when set, else data.batch_size."""
-    s = getattr(cfg, f"{stage}_stage")
-    return (s.batch_size, f"{stage}_stage.batch_size") if s.batch_size else (cfg.data.batch_size, "data.batch_size")
 
 
 def resolve_batch_sizes(d: dict) -> dict:

@@ -13,6 +13,7 @@ from wm.errors import ConfigError
 from wm.lovasz import IMPLS as LOVASZ_IMPLS
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile's modes that record CUDA graphs themselves
 
 
 @dataclass
@@ -44,7 +45,13 @@ class CompileConfig:
     RESUME, EVALUATE = FREE, FREE
     # auto: on for CUDA (the first step compiles, minutes; the log says how long), off on a CPU,
     # where compiling costs more than it saves
-    enable: bool | str = "auto"  # torch.compile the models: auto (CUDA only) | true | false
+    enable: bool | str = "auto"  # torch.compile the models: auto (CUDA, stages of min_steps or more) | true | false
+    # a compilation costs minutes once per machine kind (the run keeps its artifacts); a short stage
+    # (the demo's) finishes sooner without it
+    min_steps: int = 2000  # compile.enable=auto compiles a stage of at least this many optimizer steps
+    # the whole step (forward, backward, clip, AdamW) replayed as CUDA graphs: one launch instead of
+    # one per kernel, so small per-GPU batches are not launch-bound (wm/step_graph.py)
+    cuda_graphs: bool | str = "auto"  # capture the training step: auto (CUDA, not fp16) | true | false
     # reduce-overhead: CUDA graphs (one launch per graph instead of one per kernel; static shapes,
     # more memory); max-autotune: inductor's kernel search (minutes of compilation)
     mode: str = "default"  # torch.compile's mode: default | reduce-overhead | max-autotune[-no-cudagraphs]
@@ -61,6 +68,13 @@ class CompileConfig:
             raise ConfigError("enable", f"{self.enable!r} must be true, false or auto (on for CUDA, off on a CPU)")
         if self.mode not in COMPILE_MODES:
             raise ConfigError("mode", f"{self.mode!r} must be one of {list(COMPILE_MODES)}")
+        if isinstance(self.cuda_graphs, str) and self.cuda_graphs != "auto":
+            raise ConfigError("cuda_graphs", f"{self.cuda_graphs!r} must be true, false or auto (on CUDA unless fp16)")
+        if self.min_steps < 0:
+            raise ConfigError("min_steps", f"{self.min_steps} must be >= 0")
+        if self.cuda_graphs is True and self.mode in GRAPH_MODES:
+            raise ConfigError("cuda_graphs", f"true captures the whole step, and mode {self.mode!r} captures the "
+                              "forward in graphs of its own; set mode=default or cuda_graphs=false")
 
 
 @dataclass

@@ -23,12 +23,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from wm import distributed as D
+from wm import compile_cache, distributed as D
 from wm.atomic import require_space, write_bytes
 from wm.checkpoint import load_checked, newest_valid, read_json, rng_state, set_rng_state
 from wm.checkpointer import Checkpointer
 from wm.ckpt_checks import all_finite, checker, checkpoint_bytes, first_nonfinite, shapes
-from wm.config import Config, StageConfig, stage_batch, to_dict
+from wm.batching import batches_per_rank, resolved, stage_batch
+from wm.config import Config, StageConfig, to_dict
 from wm.optim import lr_factor, make_optimizer
 from wm.data import ResumableSampler, make_loader, start_workers
 from wm.datastats import moving_classes
@@ -37,7 +38,8 @@ from wm.evaluate import autocast
 from wm.host_gc import StepGC
 from wm.logs import eta
 from wm.run import Run, belongs
-from wm.stages import batches_per_rank
+from wm.step_graph import GraphedStep, plain_optimizer_state, set_lr, use_graphs
+from wm.step_outcome import HostCopy, StepResult, step_unless
 from wm.layers import count_parameters
 from wm.viz import bev_pair
 from wm.wrappers import compiled, wrap_ddp
@@ -108,61 +110,6 @@ class BatchStream:
         return b
 
 
-@dataclasses.dataclass
-class StepResult:
-    """What one optimizer step tells the loop. Tensors stay on the device (no host sync for them)."""
-
-    terms: dict  # the loss terms (0-dim tensors), averaged over the micro-batches
-    grad_norm: torch.Tensor  # before clipping
-    flags: "HostCopy"  # all ranks': [loss or gradient non-finite, SIGTERM/SIGINT received]
-    fp16: bool  # under fp16 the GradScaler, not the flag, skips non-finite steps
-    data_wait_s: float  # host seconds spent waiting for batches (loader + copy to the device)
-    samples: int  # samples trained on in this step, all ranks together
-    batch: dict  # the last micro-batch, on the device (count_flops measures with it)
-
-    def outcome(self) -> tuple[bool, bool]:
-        """(skipped: nothing was updated, preempt: stop at a step boundary), the same on every rank.
-        Waits for this step's work on the GPU, not for what was queued after it."""
-        bad, stop = (bool(x) for x in self.flags.read())
-        return bad and not self.fp16, stop
-
-
-class HostCopy:
-    """A small device tensor copied to pinned host memory as soon as the stream reaches it: `read()`
-    then waits for the work queued before the copy, not for the work queued since (the next step)."""
-
-    def __init__(self, t: torch.Tensor):
-        self.ready = None
-        if t.is_cuda:
-            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            self.host.copy_(t, non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record()
-        else:  # CPU ops are synchronous: the value is there
-            self.host = t
-
-    def read(self) -> list:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host.tolist()
-
-
-def step_unless(opt: torch.optim.Optimizer, skip: torch.Tensor) -> None:
-    """`opt.step()` unless `skip` (0-dim float32 on the device, 1 = skip). Fused AdamW (CUDA) decides
-    on the device: it takes the flag the way torch.amp.GradScaler hands it its inf check, as the
-    `found_inf` attribute, and leaves parameters, moments and step counts as they were; so the host
-    never waits for the GPU here. Other optimizers: the host reads the flag (on a CPU, where every
-    op is synchronous, that costs nothing)."""
-    if getattr(opt, "_step_supports_amp_scaling", False):
-        opt.found_inf = skip
-        try:
-            opt.step()
-        finally:
-            del opt.found_inf
-    elif not bool(skip):
-        opt.step()
-
-
 def train_step(stage, model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                next_batch, s: StageConfig, device: torch.device, dtype, d: D.Dist,
                ddp: Optional[nn.Module] = None, fwd: Optional[nn.Module] = None,
@@ -186,7 +133,8 @@ def train_step(stage, model: nn.Module, opt: torch.optim.Optimizer, scaler: torc
     wait, samples = 0.0, 0
     for micro in range(s.grad_accum):
         t0 = time.perf_counter()
-        b = to_device(next_batch(), device)
+        b = next_batch()
+        b = to_device(stage.prepare(b) if hasattr(stage, "prepare") else b, device)
         wait += time.perf_counter() - t0
         sync = micro == s.grad_accum - 1
         with (ddp.no_sync() if d.active and not sync else contextlib.nullcontext()):
@@ -216,30 +164,51 @@ def train_step(stage, model: nn.Module, opt: torch.optim.Optimizer, scaler: torc
 @dataclasses.dataclass
 class StageParts:
     """What one stage trains with: the model on its device, AdamW, the GradScaler, the resumable
-    sampler and its DataLoader, and the step counts."""
+    sampler and its DataLoader, the step counts, and the stage's config as this world size runs it
+    (`s`: batch_size the micro-batch, grad_accum the micro-steps; wm.batching.resolved)."""
 
     model: nn.Module
-    batch: int  # per rank
+    batch: int  # per rank and micro-step
+    s: StageConfig
     opt: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     sampler: ResumableSampler
     loader: torch.utils.data.DataLoader
     steps_per_epoch: int
     total: int  # optimizer steps of the whole stage
+    words: str  # where the batch came from, for the log
 
 
 def stage_parts(stage, cfg: Config, d: D.Dist, device: torch.device, dtype) -> StageParts:
     """fit's set-up of a stage (also tools/bench_train.py's, so the bench times what fit runs)."""
-    s = stage.scfg
+    s = resolved(cfg, stage.name, d.world_size)
     model = stage.model.to(device)
-    batch, _ = stage_batch(cfg, stage.name)
+    batch = s.batch_size
     opt = make_optimizer(model, s, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     sampler = ResumableSampler(len(stage.train_ds), d.world_size, d.rank, seed=cfg.run.seed, drop_last=True)
     loader = make_loader(stage.train_ds, sampler, cfg.loader, batch, endless=True)
     per_rank_batches = batches_per_rank(stage.name, len(stage.train_ds), d.world_size, batch, s.grad_accum)
     steps_per_epoch = per_rank_batches // s.grad_accum
-    return StageParts(model, batch, opt, scaler, sampler, loader, steps_per_epoch, stage_total(s, 0, sampler, batch))
+    return StageParts(model, batch, s, opt, scaler, sampler, loader, steps_per_epoch,
+                      stage_total(s, 0, sampler, batch), stage_batch(cfg, stage.name, d.world_size).words)
+
+
+def make_step(stage, parts: StageParts, cfg: Config, device: torch.device, dtype, d: D.Dist, say):
+    """The step fit and the bench call, `step(next_batch, stop) -> StepResult`, and what the forward
+    goes through (for the log): train_step under DDP (several ranks) and torch.compile, or the step
+    captured as CUDA graphs (compile.cuda_graphs; wm.step_graph), the same computation."""
+    if use_graphs(cfg, device, dtype, say):
+        fwd = compiled(parts.model, cfg, stage.inductor_options(), parts.total)
+        return GraphedStep(stage, parts.model, parts.opt, parts.s, device, dtype, d, fwd,
+                           grad_dtype=cfg.ddp.grad_dtype, say=say), fwd is not parts.model
+    ddp = wrap_ddp(parts.model, cfg, device, d)
+    fwd = compiled(ddp, cfg, stage.inductor_options(), parts.total)
+
+    def step(next_batch, stop=None) -> StepResult:
+        return train_step(stage, parts.model, parts.opt, parts.scaler, next_batch, parts.s, device, dtype, d,
+                          ddp=ddp, fwd=fwd, stop=stop)
+    return step, fwd is not ddp
 
 
 def stage_total(s: StageConfig, step: int, sampler: ResumableSampler, batch: int) -> int:
@@ -254,15 +223,6 @@ def stage_total(s: StageConfig, step: int, sampler: ResumableSampler, batch: int
     return step + max(0, left) // s.grad_accum
 
 
-def batch_words(cfg: Config, stage: str, world_size: int) -> str:
-    """Where a stage's batch comes from, for the log: 'batch 8 from data.batch_size [tokenizer_stage.batch_size
-    is 0] x grad_accum 1 x 1 rank'."""
-    batch, key = stage_batch(cfg, stage)
-    unset = f" [{stage}_stage.batch_size is 0]" if key == "data.batch_size" else ""
-    return (f"batch {batch} from {key}{unset} x grad_accum {getattr(cfg, f'{stage}_stage').grad_accum} "
-            f"x {world_size} rank{'s' if world_size != 1 else ''}")
-
-
 def fit(run: Run, stage, device: torch.device, dtype, stop: Preemption) -> dict:
     """Train one stage to its end (or to preemption / early stop). Returns its last validation."""
     done = finished(run, stage.name)
@@ -275,8 +235,7 @@ def fit(run: Run, stage, device: torch.device, dtype, stop: Preemption) -> dict:
     with StepGC(run.cfg.ddp.gc_every) as collector:
         while lp.step < lp.total:
             lp.schedule()
-            r = train_step(stage, lp.model, lp.opt, lp.scaler, lp.next_batch, lp.s, device, dtype, run.d,
-                           ddp=lp.ddp, fwd=lp.fwd, stop=stop)
+            r = lp.step_fn(lp.next_batch, stop)
             due = lp.took(r)
             collector.step(lp.step)
             lp.read_outcomes(due)
@@ -318,8 +277,9 @@ class StageLoop:
 
     def __init__(self, run: Run, stage, device: torch.device, dtype):
         self.run, self.stage, self.device, self.dtype = run, stage, device, dtype
-        self.cfg, self.d, self.s, self.logger = run.cfg, run.d, stage.scfg, run.log
+        self.cfg, self.d, self.logger = run.cfg, run.d, run.log
         parts = stage_parts(stage, self.cfg, self.d, device, dtype)
+        self.parts, self.s = parts, parts.s
         self.model, self.batch, self.opt, self.scaler = parts.model, parts.batch, parts.opt, parts.scaler
         self.sampler, self.loader = parts.sampler, parts.loader
         self.steps_per_epoch, self.total = parts.steps_per_epoch, parts.total
@@ -369,9 +329,10 @@ class StageLoop:
             set_rng_state(rngs[d.rank])
         else:  # the data order is global; the RNG streams are per rank and cannot be split or merged
             seed_all(self.cfg.run.seed * 1000 + d.rank + self.step)
-            g = self.batch * self.s.grad_accum
+            g, glob = self.batch * self.s.grad_accum, getattr(self.cfg, f"{self.stage.name}_stage").global_batch
+            took = glob or g * len(rngs)  # a global batch is the same on any number of ranks
             self.run.say(f"note: resumed on {d.world_size} rank{'s' if d.world_size != 1 else ''} from "
-                         f"{len(rngs)}: a step now takes {g * d.world_size} samples (it took {g * len(rngs)}); "
+                         f"{len(rngs)}: a step now takes {g * d.world_size} samples (it took {took}); "
                          f"the data order goes on at sample {self.sampler.consumed} of epoch "
                          f"{self.sampler.epoch}; RNG streams re-seeded")
 
@@ -398,12 +359,13 @@ class StageLoop:
         self.run.say(f"{stage.name}: {count_parameters(self.model) / 1e6:.2f} M parameters, "
                      f"{len(stage.train_ds)} training samples, {self.total} steps of "
                      f"{self.batch * d.world_size * s.grad_accum} samples "
-                     f"({batch_words(cfg, stage.name, d.world_size)})")
+                     f"({self.parts.words})")
         if not self.resumed:
             seed_all(cfg.run.seed * 1000 + d.rank)
         self.eval_every = self.total if s.eval_every < 0 else (s.eval_every or self.steps_per_epoch)
-        self.ddp = wrap_ddp(self.model, cfg, self.device, d)
-        self.fwd = compiled(self.ddp, cfg, stage.inductor_options())
+        self.step_fn, self.compiling = make_step(stage, self.parts, cfg, self.device, self.dtype, d, self.run.say)
+        # a resume on a fresh machine of this kind reuses what the first process compiled
+        self.cached = self.compiling and compile_cache.load(self.run.dir, self.device, self.run.say)
         self.next_batch = BatchStream(self.loader, self.sampler, self.batch * d.world_size)
         self.t_last, self.samples_since, self.wait_since = time.perf_counter(), 0, 0.0
         self.t_start, self.step_start = time.perf_counter(), self.step
@@ -413,7 +375,7 @@ class StageLoop:
     def schedule(self) -> None:
         """The learning rate of the step to take: warm-up, then cosine."""
         for g in self.opt.param_groups:
-            g["lr"] = self.s.lr * lr_factor(self.step, self.total, self.s) * g.get("lr_mult", 1.0)
+            set_lr(g, self.s.lr * lr_factor(self.step, self.total, self.s) * g.get("lr_mult", 1.0))
 
     def took(self, r: StepResult) -> Due:
         """Count a step taken; what it is due for. The first step's time is said apart: it compiles
@@ -426,8 +388,15 @@ class StageLoop:
         due = Due(log=step % cfg.logging.every == 0 or step == total, eval=step % self.eval_every == 0 or step == total,
                   save=step % cfg.checkpoint.every == 0 or step == total)
         if step == self.step_start + 1:
-            self.run.say(f"{self.stage.name}: first step {time.perf_counter() - self.t_last:.1f} s"
-                         + (" (torch.compile compiling)" if self.fwd is not self.ddp else ""))
+            first = time.perf_counter() - self.t_last
+            self.run.say(f"{self.stage.name}: first step {first:.1f} s" + (
+                "" if not self.compiling else " (torch.compile, from the run's compile cache)" if self.cached
+                else " (torch.compile compiling)"))
+            if self.compiling:
+                self.logger.scalars(step, {"perf/first_step_s": first, "perf/compile_cache_hit": float(self.cached)},
+                                    kind=f"{self.stage.name}/compile")
+                if self.d.is_main:
+                    compile_cache.save(self.run.dir, self.device, self.run.say)
             self.t_steady, self.step_steady = time.perf_counter(), step  # a compilation is no guide to the rest
             if not due.log:
                 self.t_last, self.samples_since, self.wait_since = time.perf_counter(), 0, 0.0
@@ -533,7 +502,7 @@ class StageLoop:
                           f"not saved. {self.last_good()}; lower {name}_stage.lr, check the data, or try train.amp=fp32")
         if self.ckpt is None:
             return
-        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": self.scaler.state_dict(),
+        state = {"model": model.state_dict(), "optimizer": plain_optimizer_state(opt), "scaler": self.scaler.state_dict(),
                  "sampler": self.sampler.state_dict(), "step": self.step, "epoch": self.sampler.epoch, "rng": rng,
                  "best": self.best, "stale": self.stale, "metrics": metrics or self.last_val, "stage": name,
                  "config": to_dict(self.cfg), "data_fingerprint": self.run.fingerprint,

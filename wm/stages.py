@@ -22,6 +22,7 @@ from wm.ckpt_checks import EVAL_KEYS, checker, meta_model, shapes
 from wm.config import Config, DataConfig, model_options
 from wm.data import CodeWindows, OccWindows
 from wm.atomic import fsync_dir
+from wm.batching import batches_per_rank, planned_steps, stage_batch
 from wm.datastats import moving_classes, sample_counts
 from wm.errors import ConfigError, DataError, WMError
 from wm.evaluate import eval_batches, forecast, frames_config, reconstruction
@@ -38,16 +39,6 @@ def stage_data(cfg: Config, name: str) -> DataConfig:
     """The windows a stage trains and validates on: single frames for the tokenizer, data.past +
     data.future frames every data.stride-th for the world model; with the mask where data.use_mask."""
     return frames_config(cfg.data, use_mask=cfg.data.use_mask) if name == "tokenizer" else cfg.data
-
-
-def batches_per_rank(name: str, samples: int, world_size: int, batch: int, grad_accum: int) -> int:
-    """Full batches of `batch` each rank draws from `samples` training samples per epoch; fewer
-    than one optimizer step's worth is refused."""
-    n = samples // world_size // batch
-    if n < grad_accum:
-        raise WMError(f"{name} stage: {samples} training samples give {n} batches of {batch} per rank, "
-                      f"fewer than grad_accum={grad_accum}; use a smaller {name}_stage.batch_size or more data")
-    return n
 
 
 def val_metrics(name: str, future: int, class_names=(), free_class: int = -1, moving=()) -> list[str]:
@@ -84,7 +75,8 @@ def check_stages(run: Run) -> None:
             OccWindows(run.root, cfg.data.val_split, data, h5_cache_mib=cfg.loader.h5_cache_mib)
         except DataError as e:
             raise DataError(f"{name} stage: {e}") from None
-        batches_per_rank(name, samples, d.world_size, s.batch_size or cfg.data.batch_size, s.grad_accum)
+        b = stage_batch(cfg, name, d.world_size)  # a global batch that does not split over the ranks stops here
+        batches_per_rank(name, samples, d.world_size, b.micro, b.accum)
         metrics = val_metrics(name, cfg.data.future, run.manifest.info.class_names, cfg.data.free_class,
                               moving_classes(run.manifest.info, cfg.data.moving_classes))
         if s.best_metric not in metrics:
@@ -117,7 +109,8 @@ class TokenizerStage:
         self.init = init_from.apply(run, self.name, self.model)  # init.from, while the stage has no checkpoint
         self.init_source = self.init.source.provenance() if self.init else None
         init_from.freeze(run, self.name, self.model, self.init)
-        if cfg.compile.tokenizer_channels_last and compiles(cfg, run.d.device):
+        steps = planned_steps(cfg, self.name, len(self.train_ds), run.d.world_size)
+        if cfg.compile.tokenizer_channels_last and compiles(cfg, run.d.device, steps):
             # Inductor runs every convolution NHWC: weights laid out so, their gradients come so (no copy)
             self.model.to(memory_format=torch.channels_last)
         self.class_names = run.manifest.info.class_names
@@ -202,17 +195,22 @@ class WorldStage:
         self.init_source = self.init.source.provenance() if self.init else None
         init_from.freeze(run, self.name, self.model, self.init)
 
+    def prepare(self, batch: dict) -> dict:
+        """The host batch as the step trains on it: with train.world_crop, one random square of the
+        token map (the same for all its frames; torch's CPU RNG, so a resume draws the same), cut
+        before the copy to the device (fewer bytes, and the step's shapes stay fixed)."""
+        c = self.cfg.train.world_crop
+        h, w = batch["codes"].shape[-2:]
+        if not c or c >= max(h, w):
+            return batch
+        ch, cw = min(c, h), min(c, w)
+        i, j = int(torch.randint(0, h - ch + 1, ())), int(torch.randint(0, w - cw + 1, ()))
+        return {k: v[..., i:i + ch, j:j + cw].contiguous() if k in ("codes", "mask") else v for k, v in batch.items()}
+
     def loss(self, model: nn.Module, batch: dict) -> dict:
         # forward through the wrapper (DDP hooks it, torch.compile traces it), the loss inside it
         codes, motion = batch["codes"].long(), batch["motion"]
         mask = batch["mask"] if "mask" in batch else None  # token cells, with data.use_mask
-        c = self.cfg.train.world_crop
-        if c and c < max(codes.shape[-2:]):  # one random square of the map (torch RNG: resumes exactly)
-            (h, w) = codes.shape[-2:]
-            ch, cw = min(c, h), min(c, w)
-            i, j = int(torch.randint(0, h - ch + 1, ())), int(torch.randint(0, w - cw + 1, ()))
-            codes = codes[..., i:i + ch, j:j + cw]
-            mask = None if mask is None else mask[..., i:i + ch, j:j + cw]
         # with the targets, WorldModel.forward returns the loss terms: one compiled graph with the model
         res = model(codes[:, :-1], motion[:, :-1], codes[:, 1:], motion[:, 1:], None if mask is None else mask[:, 1:])
         res["copy_last_acc"] = (codes[:, 1:] == codes[:, :-1]).float().mean()

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from wm import distributed as D
+from wm import compile_cache, distributed as D
 from wm.config import Config
 
 
@@ -39,17 +39,22 @@ def wrap_ddp(model: nn.Module, cfg: Config, device: torch.device, d: D.Dist) -> 
     return ddp
 
 
-def compiles(cfg: Config, device: torch.device) -> bool:
-    """Whether training runs torch.compile'd: compile.enable, "auto" meaning on CUDA only."""
-    return device.type == "cuda" if cfg.compile.enable == "auto" else bool(cfg.compile.enable)
+def compiles(cfg: Config, device: torch.device, steps: Optional[int] = None) -> bool:
+    """Whether training runs torch.compile'd: compile.enable, "auto" meaning on CUDA for a stage of
+    `steps` >= compile.min_steps optimizer steps (None: any length)."""
+    if cfg.compile.enable == "auto":
+        return device.type == "cuda" and (steps is None or steps >= cfg.compile.min_steps)
+    return bool(cfg.compile.enable)
 
 
-def compiled(ddp: nn.Module, cfg: Config, inductor: Optional[dict] = None) -> nn.Module:
+def compiled(ddp: nn.Module, cfg: Config, inductor: Optional[dict] = None, steps: Optional[int] = None) -> nn.Module:
     """What the training forward goes through: the (DDP-wrapped) model, torch.compile'd when
-    compile.enable (`compiles`), in compile.mode, with the stage's Inductor settings (`inductor`,
-    the stage's `inductor_options()`; they hold for this model's compilation only)."""
-    if not compiles(cfg, next(unwrap(ddp).parameters()).device):
+    compile.enable (`compiles`, for a stage of `steps` optimizer steps), in compile.mode, with the
+    stage's Inductor settings (`inductor`, the stage's `inductor_options()`; they hold for this
+    model's compilation only)."""
+    if not compiles(cfg, next(unwrap(ddp).parameters()).device, steps):
         return ddp
+    compile_cache.allow_custom_functions()  # our autograd.Functions' graphs in AOTAutograd's cache too
     if isinstance(ddp, nn.parallel.DistributedDataParallel):
         # one graph, the one a single GPU runs: Dynamo's DDP graph splitting hands each piece
         # layouts its neighbours do not produce, and one piece's backward read out of bounds

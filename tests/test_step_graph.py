@@ -1,0 +1,218 @@
+"""The captured training step (wm/step_graph.py) computes what train_step computes: on a CPU its code
+runs uncaptured, bitwise equal to train_step on one process and on 2 gloo ranks (where DDP is
+replaced by one all-reduce of the flat gradient buffer); the recipe's global batch and its per-rank
+arithmetic (wm/batching.py); compile.min_steps; the compile cache's keying (wm/compile_cache.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import Proc, assert_same
+from wm.batching import planned_steps, resolved, stage_batch
+from wm.checkpoint import latest_checkpoint, load_checked
+from wm.config import load as load_config
+from wm.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def final(run_dir: Path, stage: str) -> dict:
+    path = latest_checkpoint(run_dir / stage / "checkpoints")
+    assert path is not None, run_dir
+    return load_checked(path)
+
+
+def losses(run_dir: Path) -> list:
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [(r["kind"], r["step"], r["loss/loss"]) for r in recs if r.get("kind", "").endswith("/train")]
+
+
+def assert_runs_equal(a: Path, b: Path, stages=("tokenizer", "world")) -> None:
+    assert losses(a) == losses(b) and losses(a)
+    for stage in stages:
+        x, y = final(a, stage), final(b, stage)
+        assert x["step"] == y["step"] > 0
+        assert_same(x["model"], y["model"], f"{stage}.model")
+        assert_same(x["optimizer"]["state"], y["optimizer"]["state"], f"{stage}.optimizer")
+        assert x["optimizer"]["param_groups"] == y["optimizer"]["param_groups"]
+
+
+# the codebook reset (RNG, and a broadcast on 2 ranks), accumulation, and the world model's host-side crop
+EXERCISE = dict(train__stages="tokenizer,world", tokenizer_stage__grad_accum=2, train__world_crop=4,
+                tokenizer__dead_code_steps=1, world_stage__max_steps=3, tokenizer_stage__max_steps=3)
+
+
+def test_captured_step_code_is_train_step_bitwise_on_one_process(tiny):
+    runs = {}
+    for g in ("false", "true"):
+        p = tiny.spawn(name=g, compile__cuda_graphs=g, **EXERCISE)
+        assert p.finish(240) == 0, p.output
+        runs[g] = p.output
+    assert "compile.cuda_graphs: no GPU here, nothing is captured" in runs["true"]
+    assert "compile.cuda_graphs" not in runs["false"]
+    assert_runs_equal(tiny.run_dir(name="false"), tiny.run_dir(name="true"))
+    # what a captured run saves loads anywhere: plain float rates, capturable off
+    groups = final(tiny.run_dir(name="true"), "world")["optimizer"]["param_groups"]
+    assert all(isinstance(g["lr"], float) and not g.get("capturable", False) for g in groups)
+
+
+@pytest.mark.slow
+def test_captured_step_code_on_two_gloo_ranks_is_ddp_bitwise(tiny):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_distributed import free_port, torchrun
+
+    outs = {}
+    for g in ("false", "true"):
+        p = Proc(torchrun("--nproc_per_node", "2", "--master_port", str(free_port()))
+                 + tiny.args(name=g, compile__cuda_graphs=g, ddp__timeout_s=60, **EXERCISE))
+        assert p.finish(300) == 0, p.output
+        outs[g] = p.output
+    assert "nothing is captured" in outs["true"]
+    assert_runs_equal(tiny.run_dir(name="false"), tiny.run_dir(name="true"))
+
+
+# ---------------------------------------------------------------------------------------------
+# the global batch
+
+
+def cfg_with(*sets):
+    return load_config(None, list(sets))
+
+
+def test_global_batch_splits_over_the_ranks_with_a_micro_batch_cap():
+    cfg = cfg_with("tokenizer_stage.global_batch=80", "tokenizer_stage.batch_size=40")
+    got = {w: (b.micro, b.accum, b.per_step) for w in (1, 2, 4, 8, 16)
+           for b in [stage_batch(cfg, "tokenizer", w)]}
+    assert got == {1: (40, 2, 80), 2: (40, 1, 80), 4: (20, 1, 80), 8: (10, 1, 80), 16: (5, 1, 80)}
+    # a cap that does not divide the rank's share: the largest micro-batch under it that does
+    cfg = cfg_with("tokenizer_stage.global_batch=80", "tokenizer_stage.batch_size=30")
+    assert (stage_batch(cfg, "tokenizer", 1).micro, stage_batch(cfg, "tokenizer", 1).accum) == (20, 4)
+    words = stage_batch(cfg, "tokenizer", 2).words
+    assert words.startswith("80 samples a step (tokenizer_stage.global_batch) = 2 ranks x 40: 2 micro-batches of 20")
+    s = resolved(cfg, "tokenizer", 2)
+    assert (s.batch_size, s.grad_accum, s.global_batch) == (20, 2, 0)
+    # without a global batch: per rank, and a step grows with the ranks
+    cfg = cfg_with("world_stage.batch_size=4", "world_stage.grad_accum=3")
+    b = stage_batch(cfg, "world", 2)
+    assert (b.micro, b.accum, b.per_step) == (4, 3, 24)
+    assert b.words == "batch 4 from world_stage.batch_size x grad_accum 3 x 2 ranks"
+
+
+def test_global_batch_refusals_name_the_key():
+    cfg = cfg_with("world_stage.global_batch=8")
+    with pytest.raises(ConfigError, match=r"'world_stage.global_batch': 8 samples a step do not split over 3 ranks; "
+                                          r"run on 1, 2, 4, 8 ranks"):
+        stage_batch(cfg, "world", 3)
+    with pytest.raises(ConfigError, match=r"'world_stage.grad_accum': 2: with global_batch=8 .* leave grad_accum at 1"):
+        cfg_with("world_stage.global_batch=8", "world_stage.grad_accum=2")
+    with pytest.raises(ConfigError, match="'world_stage.global_batch': -1 must be >= 0"):
+        cfg_with("world_stage.global_batch=-1")
+
+
+def test_a_global_batch_run_logs_its_arithmetic_and_counts_its_samples(tiny):
+    p = tiny.spawn(tokenizer_stage__global_batch=4, tokenizer_stage__batch_size=2, tokenizer_stage__max_steps=2)
+    assert p.finish(240) == 0, p.output
+    assert "2 steps of 4 samples (4 samples a step (tokenizer_stage.global_batch) = 1 rank x 4: " \
+           "2 micro-batches of 2, at most 2 at once (tokenizer_stage.batch_size))" in p.output
+    st = final(tiny.run_dir(), "tokenizer")
+    assert st["sampler"]["consumed"] == 8
+
+
+def test_the_occworld_preset_is_occworlds_recipe_on_any_number_of_gpus():
+    cfg = load_config(str(ROOT / "configs/occworld.json"), [])
+    for w, tok, world in ((1, (80, 1), (8, 1)), (2, (40, 1), (4, 1)), (8, (10, 1), (1, 1))):
+        t, m = stage_batch(cfg, "tokenizer", w), stage_batch(cfg, "world", w)
+        assert ((t.micro, t.accum), (m.micro, m.accum)) == (tok, world), w
+        assert (t.per_step, m.per_step) == (80, 8)
+    tok, world = cfg.tokenizer_stage, cfg.world_stage
+    # OccWorld: 200 epochs of 700 scenes x 5 windows at 8 samples a step, its lr, warm-up and clip
+    assert tok.max_steps == world.max_steps == 200 * 700 * 5 // 8
+    assert (tok.lr, tok.min_lr, tok.warmup_steps, tok.clip, tok.weight_decay) == (1e-3, 1e-6, 200, 35.0, 0.01)
+    assert (world.lr, world.min_lr, world.warmup_steps, world.clip, world.weight_decay) == (1e-3, 1e-6, 50, 35.0, 0.01)
+    assert cfg.synthetic.style == "occ3d"
+    # validations over the whole schedule, and the steps a fresh stage plans from the data size
+    assert tok.max_steps // tok.eval_every == 10 and world.max_steps // world.eval_every == 20
+    assert planned_steps(cfg, "world", 21000, 8) == world.max_steps
+
+
+# ---------------------------------------------------------------------------------------------
+# compile only where it pays
+
+
+def test_compile_auto_skips_a_short_stage_on_cuda():
+    from wm.wrappers import compiles
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    cfg = cfg_with()  # the demo: compile.enable auto, min_steps 2000
+    assert compiles(cfg, cuda, 2000) and not compiles(cfg, cuda, 1999) and not compiles(cfg, cpu, 10**6)
+    assert compiles(cfg_with("compile.enable=true"), cpu, 1)
+    with pytest.raises(ConfigError, match="'compile.cuda_graphs': true captures the whole step"):
+        cfg_with("compile.cuda_graphs=true", "compile.mode=reduce-overhead")
+
+
+def test_a_captured_runs_optimizer_state_saves_as_plain_numbers():
+    from wm.step_graph import plain_optimizer_state, set_lr
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    opt.param_groups[0]["lr"], opt.param_groups[0]["capturable"] = torch.tensor(0.1), True
+    set_lr(opt.param_groups[0], 0.25)
+    assert opt.param_groups[0]["lr"].item() == 0.25  # the same tensor, filled: a graph reads its address
+    st = plain_optimizer_state(opt)
+    assert st["param_groups"][0]["lr"] == 0.25 and st["param_groups"][0]["capturable"] is False
+    assert torch.is_tensor(opt.param_groups[0]["lr"])  # the live optimizer keeps its tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# the compile cache
+
+
+def test_compile_cache_is_keyed_by_the_machine_and_says_why_it_compiles(tmp_path, monkeypatch):
+    from wm import compile_cache as C
+
+    monkeypatch.setattr(C, "_loaded", set())
+    cpu = torch.device("cpu")
+    loaded, said = [], []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda b: loaded.append(b))
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts-1", None))
+    assert C.load(tmp_path, cpu, said.append) is False and not said  # nothing saved yet: silent
+    C.save(tmp_path, cpu, said.append)
+    name = C.key_name(C.machine_key(cpu))
+    assert (tmp_path / "compile_cache" / f"{name}.bin").read_bytes() == b"artifacts-1"
+    assert "compile cache: saved 0.0 MiB" in said[-1]
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"less", None))
+    C.save(tmp_path, cpu, said.append)  # artifacts only grow: a smaller set is not written over a larger
+    assert (tmp_path / "compile_cache" / f"{name}.bin").read_bytes() == b"artifacts-1"
+
+    monkeypatch.setattr(C, "_loaded", set())  # a fresh process on the same kind of machine
+    assert C.load(tmp_path, cpu, said.append) is True and loaded == [b"artifacts-1"]
+    assert said[-1].startswith("compile cache: loaded")
+
+    # another kind of machine: its file stays, this one compiles, and the line says both
+    other = dict(C.machine_key(cpu), device="NVIDIA H100 80GB HBM3", capability="9.0", torch="2.11.0")
+    monkeypatch.setattr(C, "machine_key", lambda device: other)
+    monkeypatch.setattr(C, "_loaded", set())
+    assert C.load(tmp_path, cpu, said.append) is False
+    assert said[-1].startswith(f"compile cache: {tmp_path / 'compile_cache'} holds artifacts of ")
+    assert "this machine is NVIDIA H100 80GB HBM3 sm 9.0, torch 2.11.0" in said[-1] and "so the first step compiles" in said[-1]
+    assert len(loaded) == 1
+
+
+def test_a_damaged_compile_cache_is_one_line_and_ignored(tmp_path, monkeypatch):
+    from wm import compile_cache as C
+
+    monkeypatch.setattr(C, "_loaded", set())
+    cpu, said = torch.device("cpu"), []
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
+    C.save(tmp_path, cpu, said.append)
+    name = C.key_name(C.machine_key(cpu))
+    (tmp_path / "compile_cache" / f"{name}.bin").write_bytes(b"artifactz")  # a flipped byte
+    monkeypatch.setattr(C, "_loaded", set())
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda b: pytest.fail("a damaged cache was loaded"))
+    assert C.load(tmp_path, cpu, said.append) is False
+    assert "is damaged (ValueError: its checksum does not match); ignored, the first step compiles" in said[-1]
