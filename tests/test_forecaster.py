@@ -157,3 +157,27 @@ def test_cuda_graph_forecast_equals_the_launched_one(ev, dtype, compile):
     assert len(graph._graphs) == 4  # batch 2 and batch 1 (the last window), with and without future poses
     for got, want in kept:  # later replays did not overwrite what earlier calls returned
         assert torch.equal(got.occ, want.occ)
+
+
+def test_a_compiled_forecaster_keeps_its_compile_cache_in_the_run(ev, tmp_path, monkeypatch):
+    """With compile, from_run loads the run's forecast cache before anything compiles and writes it
+    once per input shape (the compile itself replaced by a recorder: its cost is what is cached)."""
+    import wm.compile_cache as C
+
+    calls = []
+    monkeypatch.setattr(C, "load", lambda d, dev, say, kind="train": calls.append(("load", Path(d), kind)))
+    monkeypatch.setattr(C, "save", lambda d, dev, say, kind="train": calls.append(("save", Path(d), kind)))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(("compile",)) or fn)
+    run = tmp_path / "run"
+    shutil.copytree(ev.run, run)
+    f = Forecaster.from_run(run, compile="default")
+    assert calls[:2] == [("load", run, "forecast"), ("compile",)]  # loaded first
+    occ, poses = next(windows_with_poses(f, 2))
+    P = f.cfg.data.past
+    for batch in (2, 2, 1):  # a new shape compiles (and is saved); a seen one does not
+        f(occ[:batch, :P], poses[:batch, :P])
+    assert [c for c in calls if c[0] == "save"] == [("save", run, "forecast")] * 2
+    # without compile nothing is cached
+    calls.clear()
+    Forecaster.from_run(run)(occ[:1, :P], poses[:1, :P])
+    assert calls == []

@@ -182,7 +182,7 @@ def test_compile_cache_is_keyed_by_the_machine_and_says_why_it_compiles(tmp_path
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts-1", None))
     assert C.load(tmp_path, cpu, said.append) is False and not said  # nothing saved yet: silent
     C.save(tmp_path, cpu, said.append)
-    name = C.key_name(C.machine_key(cpu))
+    name = "train-" + C.key_name(C.machine_key(cpu))
     assert (tmp_path / "compile_cache" / f"{name}.bin").read_bytes() == b"artifacts-1"
     assert "compile cache: saved 0.0 MiB" in said[-1]
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"less", None))
@@ -201,6 +201,9 @@ def test_compile_cache_is_keyed_by_the_machine_and_says_why_it_compiles(tmp_path
     assert said[-1].startswith(f"compile cache: {tmp_path / 'compile_cache'} holds artifacts of ")
     assert "this machine is NVIDIA H100 80GB HBM3 sm 9.0, torch 2.11.0" in said[-1] and "so the first step compiles" in said[-1]
     assert len(loaded) == 1
+    # the Forecaster's artifacts are a file of their own: the training file is no forecast cache
+    monkeypatch.setattr(C, "_loaded", set())
+    assert C.load(tmp_path, cpu, said.append, kind="forecast") is False and len(loaded) == 1
 
 
 def test_a_damaged_compile_cache_is_one_line_and_ignored(tmp_path, monkeypatch):
@@ -210,7 +213,7 @@ def test_a_damaged_compile_cache_is_one_line_and_ignored(tmp_path, monkeypatch):
     cpu, said = torch.device("cpu"), []
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
     C.save(tmp_path, cpu, said.append)
-    name = C.key_name(C.machine_key(cpu))
+    name = "train-" + C.key_name(C.machine_key(cpu))
     (tmp_path / "compile_cache" / f"{name}.bin").write_bytes(b"artifactz")  # a flipped byte
     monkeypatch.setattr(C, "_loaded", set())
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda b: pytest.fail("a damaged cache was loaded"))

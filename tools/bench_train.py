@@ -38,6 +38,12 @@ Variants (`--variants`, comma-separated; each runs for every stage of `--stages`
                     CUDA, the config's batch on a CPU; a CUDA out-of-memory ends the sweep
                     cleanly); the best samples/s is kept and is "the best batch" below.
   bf16-compile      the best batch with torch.compile (compile.enable=true).
+  graphs            bf16 + torch.compile + the captured step (compile.cuda_graphs, wm/step_graph.py)
+                    at each batch of --stage-batch / --batches: what train.py runs on CUDA; the
+                    small-batch checks compare its per-sample rates (world 4 and 1 against 16,
+                    tokenizer 8 and 16 against 32).
+  recipe            the config as it is: its global batch (micro-batches and accumulation at this
+                    world size), precision, compile and capture. The schedule's hours come from it.
   bf16-ckpt1        the best batch with activation checkpointing on every block.
   bf16-ckptk        ... on every k-th block (`--ckpt-k`, default 2).
   onthefly          world only: the best batch without the token cache, occupancy windows encoded by
@@ -64,16 +70,9 @@ global, step time the slowest rank's, memory the largest. Give the batch the 1-G
 until ddp.timeout_s. `--scaling a.json b.json` then prints b's samples/s over a's per variant,
 against 0.95x per GPU (1.9x on 2, 3.8x on 4), and the ratio the median steps give.
 
-The extrapolation: OccWorld's whole recipe (wzzheng/OccWorld: config/train_vqvae.py,
-config/train_occworld.py, dataset/dataset.py) is 200 tokenizer epochs and 200 world-model epochs,
-where an epoch is 5 random windows per nuScenes train scene (`nuScenesSceneDatasetLidar`, times=5:
-700 x 5 = 3500 samples), 10-frame samples for the tokenizer (7.0 M frames in all) and 16-frame
-windows for the world model (700 k windows). Hours = those counts over the best measured samples/s
-of each stage; GPU-hours = hours x GPUs. OccWorld's own code at 67.6 frames/s and 5.0 windows/s
-(measured on one H200) needs 28.8 + 38.9 = 67.7 H200-hours by the same count. The world model's cost
-grows with the window: for the like-for-like figure run with 16-frame windows
-(`--set data.future=11` with data.past=5); otherwise the report also scales the world hours by
-15 / (input frames) as a rough figure.
+The schedule: with the `recipe` variant, the config's whole schedule on this many GPUs, each
+stage's optimizer steps (max_steps, or its epochs over the data) x its samples a step, over the
+samples/s measured at that batch; GPU-hours = hours x GPUs. No other batch's rate is extrapolated.
 """
 
 import argparse
@@ -100,7 +99,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import wm.loop as L  # noqa: E402
 import wm.stages as S  # noqa: E402
 import wm.train as T  # noqa: E402
-import wm.wrappers as W  # noqa: E402
 from wm import distributed as D  # noqa: E402
 from wm.checkpoint import latest_checkpoint, rng_state  # noqa: E402
 from wm.checkpointer import Checkpointer  # noqa: E402
@@ -115,12 +113,10 @@ VARIANTS = ("fp32-b1", "bf16", "bf16-compile", "graphs", "recipe", "bf16-ckpt1",
             "onthefly-fp32-b1", "save")
 WORLD_ONLY = ("onthefly", "onthefly-fp32-b1")
 
-# OccWorld's recipe as its code counts it (see the module docstring)
-OCCWORLD = {"train_scenes": 700, "samples_per_scene": 5, "tokenizer_epochs": 200, "world_epochs": 200,
-            "tokenizer_frames_per_sample": 10, "world_window_frames": 16,
-            # OccWorld's own code, one H200: fp32 batch 1
-            "ref_card": "H200", "ref_tokenizer_frames_per_s": 67.6, "ref_world_samples_per_s": 5.0}
-TARGETS = {"speedup_vs_occworld": 10.0, "mfu": 0.30, "gpu_hours": 8.0, "data_wait": 0.05,
+# OccWorld's own code, one H200: fp32 batch 1 (a tokenizer sample is 10 frames)
+OCCWORLD = {"tokenizer_frames_per_sample": 10, "ref_card": "H200", "ref_tokenizer_frames_per_s": 67.6,
+            "ref_world_samples_per_s": 5.0}
+TARGETS = {"speedup_vs_occworld": 10.0, "mfu": 0.30, "data_wait": 0.05,
            "ckpt_blocked_ratio": 0.10, "ckpt_act_mem_ratio": 1 / 3, "ckpt_time_ratio": 1.25, "ddp_scaling_per_gpu": 0.95}
 
 

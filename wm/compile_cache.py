@@ -3,7 +3,8 @@
 
 After a stage's first compiled step, rank 0 writes what torch compiled so far
 (`torch.compiler.save_cache_artifacts`: Inductor's graphs and kernels, AOTAutograd's graphs, tuning
-results) to `<run>/compile_cache/<key>.bin`; a process that compiles loads the file of its own key
+results) to `<run>/compile_cache/train-<key>.bin` (the Forecaster its own, `forecast-<key>.bin`,
+after each new input shape it compiles); a process that compiles loads the file of its own key
 before it compiles (`load_cache_artifacts` fills torch's local caches, and the compile then reuses
 them). The key is what makes a kernel valid: the GPU's name and compute capability, torch, Triton
 and CUDA versions. A file of another key is left alone and the stage compiles, saying so in one
@@ -60,13 +61,14 @@ def allow_custom_functions() -> None:
         pass
 
 
-def load(run_dir: Path, device: torch.device, say) -> bool:
-    """Load this machine kind's artifacts into torch's caches, once per process; say what happened.
-    Returns whether artifacts were loaded."""
+def load(run_dir: Path, device: torch.device, say, kind: str = "train") -> bool:
+    """Load this machine kind's artifacts of `kind` (train: the training steps; forecast: the
+    Forecaster's graphs) into torch's caches, once per process; say what happened. Returns whether
+    artifacts were loaded."""
     allow_custom_functions()
     folder = Path(run_dir) / FOLDER
     key = machine_key(device)
-    name = key_name(key)
+    name = f"{kind}-{key_name(key)}"
     if name in _loaded:
         return True
     if not folder.is_dir():
@@ -74,7 +76,7 @@ def load(run_dir: Path, device: torch.device, say) -> bool:
     blob, meta = folder / f"{name}.bin", folder / f"{name}.json"
     if not blob.is_file():
         others = []
-        for m in sorted(folder.glob("*.json")):
+        for m in sorted(folder.glob(f"{kind}-*.json")):
             try:
                 others.append(describe(json.loads(m.read_text())["key"]))
             except (OSError, ValueError, KeyError, TypeError):
@@ -97,7 +99,7 @@ def load(run_dir: Path, device: torch.device, say) -> bool:
     return True
 
 
-def save(run_dir: Path, device: torch.device, say) -> None:
+def save(run_dir: Path, device: torch.device, say, kind: str = "train") -> None:
     """Write what this process compiled so far for this machine kind (rank 0; atomic)."""
     got = torch.compiler.save_cache_artifacts()
     if not got:
@@ -105,7 +107,7 @@ def save(run_dir: Path, device: torch.device, say) -> None:
     data = got[0]
     key = machine_key(device)
     folder = Path(run_dir) / FOLDER
-    name = key_name(key)
+    name = f"{kind}-{key_name(key)}"
     old = folder / f"{name}.bin"
     if old.is_file() and old.stat().st_size >= len(data):  # artifacts only accumulate: it holds these already
         return

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from wm import compile_cache
 from wm.config import Config
 from wm.config_runtime import COMPILE_MODES
 from wm.data import relative_motion
@@ -196,11 +198,15 @@ class Forecaster:
     randomly initialised ones of a config, for timing). `dtype`: fp32 | bf16 | fp16 (autocast);
     `compile`: None or a torch.compile mode (wm.config_runtime.COMPILE_MODES; reduce-overhead = CUDA graphs)
     for the tokenizer's encode and decode and the world model's step; `cuda_graph`: the whole forecast
-    as one CUDA graph per input shape (see the module's docstring; with compile None or default)."""
+    as one CUDA graph per input shape (see the module's docstring; with compile None or default).
+    `cache_dir`: with compile, a folder whose compile cache (wm.compile_cache, kind "forecast") is
+    loaded before the first compile and written after each input shape that compiled, so the next
+    process on the same kind of machine does not compile again (from_run: the run folder)."""
 
     def __init__(self, cfg: Config, tokenizer: Tokenizer, world: WorldModel, device="cpu", dtype="fp32",
                  compile: Optional[str] = None, checkpoint: Optional[Path] = None,
-                 tokenizer_checkpoint: Optional[Path] = None, cuda_graph: bool = False):
+                 tokenizer_checkpoint: Optional[Path] = None, cuda_graph: bool = False,
+                 cache_dir: Optional[Path] = None, say: Callable[[str], Any] = lambda m: print(m, file=sys.stderr)):
         self.dtype, self.amp = _dtype(dtype)
         self.device = _device(device)
         self.cfg, self.compile = cfg, _compile(compile)
@@ -211,7 +217,11 @@ class Forecaster:
         self.tokenizer = tokenizer.to(self.device).eval().requires_grad_(False)
         self.world = world.to(self.device).eval().requires_grad_(False)
         self._encode, self._step, self._decode = self.tokenizer.encode, self.world.step, self.tokenizer.decode
+        self.cache_dir, self.say, self._compiled_shapes = cache_dir, say, set()
         if compile is not None:
+            if cache_dir is not None:  # before anything compiles
+                compile_cache.load(cache_dir, self.device, say, kind="forecast")
+            compile_cache.allow_custom_functions()
             # static shapes: one graph per batch size, and a rollout's steps after the first share one
             self._encode, self._step, self._decode = (torch.compile(fn, mode=compile, dynamic=False)
                                                       for fn in (self._encode, self._step, self._decode))
@@ -224,7 +234,8 @@ class Forecaster:
 
         _dtype(dtype), _graph_ok(cuda_graph, _device(device), _compile(compile))  # refuse before reading
         t = load_trained(run, ckpt)
-        return cls(t.cfg, t.tokenizer, t.world, device, dtype, compile, t.ckpt, t.tokenizer_ckpt, cuda_graph)
+        return cls(t.cfg, t.tokenizer, t.world, device, dtype, compile, t.ckpt, t.tokenizer_ckpt, cuda_graph,
+                   cache_dir=Path(run))
 
     def _forecast(self, occ: Tensor, motion: Tensor, fut: Optional[Tensor], S: int, mark: Callable) -> list:
         """[occupancy, motion, codes, logits] of the future frames; what a CUDA graph records."""
@@ -282,6 +293,13 @@ class Forecaster:
                 out[3] = out[3].clone()  # CUDA-graph memory: the next forecast would overwrite it
             if not logits:
                 out[3] = None
+        shape = (tuple(occ.shape), fut is None, S)
+        if self.compile is not None and self.cache_dir is not None and shape not in self._compiled_shapes:
+            self._compiled_shapes.add(shape)  # this shape compiled (or came from the cache): keep it
+            try:
+                compile_cache.save(self.cache_dir, self.device, self.say, kind="forecast")
+            except OSError as e:  # a read-only run folder: the next process compiles again, nothing more
+                self.say(f"compile cache: not written ({e.strerror or e}); the next process compiles again")
         if not batched:
             out = [None if x is None else x[0] for x in out]
         if as_numpy:
