@@ -216,6 +216,7 @@ class StageConfig:
     betas: tuple[float, ...] = (0.9, 0.95)  # AdamW betas
     clip: float = 35.0  # gradient-norm clip (0: off; the norm is still logged)
     eval_every: int = 0  # optimizer steps between validations (0: at each epoch end; -1: only at the end)
+    val_windows: int = rule(0, resume=FREE)  # >0: validate on this many windows spread evenly over the val split (0: all)
     best_metric: str = rule("val/miou", resume=MATCH)  # the validation metric that picks best.pt (see best_mode)
     best_mode: str = rule("max", resume=MATCH)  # max: higher best_metric is better; min: lower is better
     early_stop: int = 0  # stop after this many validations without improvement (0: never)
@@ -233,7 +234,7 @@ class StageConfig:
         if self.global_batch and self.grad_accum != 1:
             raise ConfigError("grad_accum", f"{self.grad_accum}: with global_batch={self.global_batch} the micro-steps "
                               "follow from it and batch_size; leave grad_accum at 1")
-        for k in ("max_steps", "batch_size", "global_batch", "warmup_steps", "early_stop"):
+        for k in ("max_steps", "batch_size", "global_batch", "warmup_steps", "early_stop", "val_windows"):
             if getattr(self, k) < 0:
                 raise ConfigError(k, f"{getattr(self, k)} must be >= 0")
         if not self.lr > 0:

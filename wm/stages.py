@@ -41,6 +41,12 @@ def stage_data(cfg: Config, name: str) -> DataConfig:
     return frames_config(cfg.data, use_mask=cfg.data.use_mask) if name == "tokenizer" else cfg.data
 
 
+def val_windows(cfg: Config, s) -> int:
+    """How many val windows a stage validates on (0: all): <stage>_stage.val_windows, within
+    data.max_windows (a smoke run's cap on every split)."""
+    return min([n for n in (s.val_windows, cfg.data.max_windows) if n], default=0)
+
+
 def val_metrics(name: str, future: int, class_names=(), free_class: int = -1, moving=()) -> list[str]:
     """The validation metrics a stage reports (TokenizerStage.evaluate, WorldStage.evaluate); with
     the data set's class names also the per-class IoUs (class_scalars), per step for the `moving` ones."""
@@ -101,8 +107,8 @@ class TokenizerStage:
         fc = stage_data(cfg, self.name)
         cache = cfg.loader.h5_cache_mib
         self.train_ds = OccWindows(run.root, cfg.data.train_split, fc, h5_cache_mib=cache)
-        self.val_ds = OccWindows(run.root, cfg.data.val_split,
-                                 dataclasses.replace(fc, max_windows=cfg.data.max_windows), h5_cache_mib=cache)
+        self.val_ds = OccWindows(run.root, cfg.data.val_split, dataclasses.replace(
+            fc, max_windows=val_windows(cfg, self.scfg)), h5_cache_mib=cache)
         torch.manual_seed(cfg.run.seed)  # the initial weights follow run.seed (torch seeds randomly)
         self.model = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid),
                                **model_options(cfg, self.name))
@@ -184,7 +190,8 @@ class WorldStage:
         run.say(f"world stage: frozen tokenizer {tok_ckpt} (sha256 {self.tok_sha[:12]})")
         cache = cfg.loader.h5_cache_mib
         self.windows = OccWindows(run.root, cfg.data.train_split, cfg.data, h5_cache_mib=cache)
-        self.val_ds = OccWindows(run.root, cfg.data.val_split, cfg.data, h5_cache_mib=cache)
+        self.val_ds = OccWindows(run.root, cfg.data.val_split, dataclasses.replace(
+            cfg.data, max_windows=val_windows(cfg, self.scfg)), h5_cache_mib=cache)
         codes = build_token_cache(run, self.tokenizer, self.tok_sha, device, dtype)
         self.train_ds = CodeWindows(self.windows, codes, codes.with_name(CELL_MASK) if cfg.data.use_mask else None)
         torch.manual_seed(cfg.run.seed)  # here: whether the cache was built must not change them

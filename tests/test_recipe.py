@@ -1,7 +1,8 @@
-"""The captured training step (wm/step_graph.py) computes what train_step computes: on a CPU its code
-runs uncaptured, bitwise equal to train_step on one process and on 2 gloo ranks (where DDP is
-replaced by one all-reduce of the flat gradient buffer); the recipe's global batch and its per-rank
-arithmetic (wm/batching.py); compile.min_steps; the compile cache's keying (wm/compile_cache.py)."""
+"""What runs OccWorld's recipe at speed: the captured training step (wm/step_graph.py) computes what
+train_step computes (on a CPU its code runs uncaptured, bitwise equal to train_step on one process
+and on 2 gloo ranks, where DDP is replaced by one all-reduce of the flat gradient buffer); the
+global batch and its per-rank arithmetic (wm/batching.py); the preset; validation on a spread
+subset; compile.min_steps; the compile cache's keying (wm/compile_cache.py)."""
 
 from __future__ import annotations
 
@@ -135,9 +136,27 @@ def test_the_occworld_preset_is_occworlds_recipe_on_any_number_of_gpus():
     assert (tok.lr, tok.min_lr, tok.warmup_steps, tok.clip, tok.weight_decay) == (1e-3, 1e-6, 200, 35.0, 0.01)
     assert (world.lr, world.min_lr, world.warmup_steps, world.clip, world.weight_decay) == (1e-3, 1e-6, 50, 35.0, 0.01)
     assert cfg.synthetic.style == "occ3d"
-    # validations over the whole schedule, and the steps a fresh stage plans from the data size
+    # validations over the whole schedule, the world's on a spread subset of the val windows
     assert tok.max_steps // tok.eval_every == 10 and world.max_steps // world.eval_every == 20
+    assert (tok.val_windows, world.val_windows) == (0, 600)
     assert planned_steps(cfg, "world", 21000, 8) == world.max_steps
+
+
+def test_val_windows_validates_on_a_spread_subset_and_may_change_on_resume(tiny):
+    from wm.stages import val_windows
+
+    cfg = cfg_with("world_stage.val_windows=4")
+    assert val_windows(cfg, cfg.world_stage) == 4 and val_windows(cfg, cfg.tokenizer_stage) == 0
+    assert val_windows(cfg_with("world_stage.val_windows=4", "data.max_windows=2"), cfg.world_stage) == 2
+    steps = dict(train__stages="tokenizer,world", tokenizer_stage__max_steps=2, world_stage__max_steps=2)
+    p = tiny.spawn(world_stage__val_windows=4, **steps)
+    assert p.finish(240) == 0, p.output
+    assert "world validation: 4/4 windows" in p.output  # of the tiny val scene's 9
+    assert "tokenizer validation: 12/12 windows" in p.output  # the tokenizer's: every val frame
+    # a rerun may validate on another subset: the key may change without --allow-changed
+    p = tiny.spawn(world_stage__val_windows=0, **steps)
+    assert p.finish(240) == 0, p.output
+    assert "world stage already finished at step 2" in p.output
 
 
 # ---------------------------------------------------------------------------------------------
