@@ -7,6 +7,7 @@ subset; compile.min_steps; the compile cache's keying (wm/compile_cache.py)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -238,3 +239,18 @@ def test_a_damaged_compile_cache_is_one_line_and_ignored(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda b: pytest.fail("a damaged cache was loaded"))
     assert C.load(tmp_path, cpu, said.append) is False
     assert "is damaged (ValueError: its checksum does not match); ignored, the first step compiles" in said[-1]
+
+
+def test_a_compiled_stage_logs_its_first_step_and_where_the_seconds_went(tiny, monkeypatch, capsys, restore_signals):
+    import wm.train as T
+
+    real = torch.compile  # Dynamo and AOTAutograd as on a GPU, without Inductor's C++ build
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: real(m, backend="aot_eager"))
+    assert T.main(tiny.args(tokenizer_stage__max_steps=2, compile__enable="true")) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^tokenizer: first step \d+\.\d s \(torch.compile compiling\)$", out, re.M), out
+    recs = [json.loads(x) for x in (tiny.run_dir() / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    first = [r for r in recs if r.get("kind") == "tokenizer/compile"]
+    assert len(first) == 1 and first[0]["perf/first_step_s"] > 0 and first[0]["perf/compile_cache_hit"] == 0.0
+    times = (tiny.run_dir() / "tokenizer" / "compile_times.txt").read_text()
+    assert "OutputGraph.call_user_compiler" in times  # Dynamo's hand-over to the backend, timed

@@ -397,6 +397,11 @@ class StageLoop:
                                     kind=f"{self.stage.name}/compile")
                 if self.d.is_main:
                     compile_cache.save(self.run.dir, self.device, self.run.say)
+                    # where the first step's seconds went (tracing, AOTAutograd, Inductor, cache loads)
+                    from torch._dynamo.utils import compile_times
+
+                    write_bytes(self.run.stage_dir(self.stage.name) / "compile_times.txt",
+                                compile_times(repr="str", aggregate=True).encode())
             self.t_steady, self.step_steady = time.perf_counter(), step  # a compilation is no guide to the rest
             if not due.log:
                 self.t_last, self.samples_since, self.wait_since = time.perf_counter(), 0, 0.0
