@@ -56,7 +56,9 @@ def main(argv=None) -> int:
         import wm.train as T
 
         out = Path(a.out)
-        sets = [*a.set, f"run.out_dir={out.parent}", f"run.name={out.name}",
+        # the weights do not matter: a preset's global batch (80 frames a step) would only slow these steps
+        sets = ["tokenizer_stage.global_batch=0", "world_stage.global_batch=0", *a.set,
+                f"run.out_dir={out.parent}", f"run.name={out.name}",
                 f"tokenizer_stage.max_steps={a.steps}", f"world_stage.max_steps={a.steps}"]
         args = ["--cfg", a.cfg] + [x for s in sets for x in ("--set", s)]
         rc = T.main(args)
