@@ -120,11 +120,16 @@ def test_bench_writes_every_figure_with_sane_values(tiny, tmp_path, B):
     print(f"bench took {took:.1f} s")
 
 
-@pytest.mark.parametrize("bad", ["foo=2", "world=0", "world=two", "world"])
+@pytest.mark.parametrize("bad", ["foo=2", "world=0", "world=two", "world", "world=1,0", "world=4,"])
 def test_a_bad_stage_batch_is_one_line(B, bad, capsys):
     with pytest.raises(SystemExit):
         B.parse_args(["--stage-batch", bad])
-    assert f"--stage-batch {bad!r} must be tokenizer=B or world=B" in capsys.readouterr().err
+    assert f"--stage-batch {bad!r} must be tokenizer=B[,B...] or world=B[,B...] with B >= 1" in capsys.readouterr().err
+
+
+def test_stage_batch_takes_a_list_per_stage(B):
+    a = B.parse_args(["--stage-batch", "tokenizer=8,16,32", "--stage-batch", "world=1"])
+    assert a.stage_batch == {"tokenizer": [8, 16, 32], "world": [1]}
 
 
 def test_scaling_report_divides_samples_per_s(tmp_path, B, capsys):
