@@ -60,8 +60,10 @@ def test_each_key_has_one_rule_for_resume_and_one_for_eval_only():
     # how a run runs may change on resume, but for the gradients' wire dtype (it changes them, as train.amp)
     runs = ("loader", "compile", "kernels", "activation_checkpoint", "ddp", "checkpoint", "logging")
     assert {k for k, (r, _) in keys.items() if k.split(".")[0] in runs and r != FREE} == {"ddp.grad_dtype"}
+    # ... and what it validates on: a subset of the val split changes no training
     assert {k for k, (r, _) in keys.items() if r == FREE and k.split(".")[0] not in runs} == {
-        "run.name", "run.out_dir", "data.root", "synthetic.cache_dir", "train.stages", "train.max_nonfinite"}
+        "run.name", "run.out_dir", "data.root", "synthetic.cache_dir", "train.stages", "train.max_nonfinite",
+        "tokenizer_stage.val_windows", "world_stage.val_windows"}
     # --eval-only: the function a checkpoint computes (its model, bar the loss terms; the grid and classes)
     loss = {"tokenizer.commitment", "tokenizer.ce_weight", "tokenizer.lovasz_weight", "tokenizer.vq_weight",
             "tokenizer.dead_code_steps", "tokenizer.class_weight_power", "tokenizer.class_weight_max",
