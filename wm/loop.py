@@ -176,7 +176,6 @@ class StageParts:
     loader: torch.utils.data.DataLoader
     steps_per_epoch: int
     total: int  # optimizer steps of the whole stage
-    words: str  # where the batch came from, for the log
 
 
 def stage_parts(stage, cfg: Config, d: D.Dist, device: torch.device, dtype) -> StageParts:
@@ -190,8 +189,7 @@ def stage_parts(stage, cfg: Config, d: D.Dist, device: torch.device, dtype) -> S
     loader = make_loader(stage.train_ds, sampler, cfg.loader, batch, endless=True)
     per_rank_batches = batches_per_rank(stage.name, len(stage.train_ds), d.world_size, batch, s.grad_accum)
     steps_per_epoch = per_rank_batches // s.grad_accum
-    return StageParts(model, batch, s, opt, scaler, sampler, loader, steps_per_epoch,
-                      stage_total(s, 0, sampler, batch), stage_batch(cfg, stage.name, d.world_size).words)
+    return StageParts(model, batch, s, opt, scaler, sampler, loader, steps_per_epoch, stage_total(s, 0, sampler, batch))
 
 
 def make_step(stage, parts: StageParts, cfg: Config, device: torch.device, dtype, d: D.Dist, say):
@@ -359,7 +357,7 @@ class StageLoop:
         self.run.say(f"{stage.name}: {count_parameters(self.model) / 1e6:.2f} M parameters, "
                      f"{len(stage.train_ds)} training samples, {self.total} steps of "
                      f"{self.batch * d.world_size * s.grad_accum} samples "
-                     f"({self.parts.words})")
+                     f"({stage_batch(cfg, stage.name, d.world_size).words})")
         if not self.resumed:
             seed_all(cfg.run.seed * 1000 + d.rank)
         self.eval_every = self.total if s.eval_every < 0 else (s.eval_every or self.steps_per_epoch)
