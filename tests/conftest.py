@@ -5,21 +5,20 @@
 # data set + config + process helpers
 
 import os
-import queue
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from procs import Proc as _Proc  # noqa: E402
+
 OCCWORLD = ROOT / "configs" / "occworld.json"  # OccWorld's model sizes
 
 
@@ -78,76 +77,11 @@ TINY_SETTINGS = {
 }
 
 
-class Proc:
-    """A training subprocess whose merged stdout/stderr is read by a thread, line by line."""
+class Proc(_Proc):
+    """A training subprocess (tools/procs.py) on one intra-op thread, its output unbuffered."""
 
     def __init__(self, cmd, env=None, cwd=ROOT):
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        full_env.update(env or {})
-        self.cmd = cmd
-        self.p = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        self.lines: list[str] = []
-        self._q: queue.Queue = queue.Queue()
-        self._t = threading.Thread(target=self._read, daemon=True)
-        self._t.start()
-
-    def _read(self):
-        for line in self.p.stdout:
-            self._q.put(line)
-        self._q.put(None)
-
-    @property
-    def pid(self) -> int:
-        return self.p.pid
-
-    def wait_for(self, pattern: str, timeout: float) -> bool:
-        """Read lines until one matches `pattern` (regex); False at end of output or timeout."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self._q.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            if line is None:
-                self._q.put(None)
-                return False
-            self.lines.append(line)
-            if re.search(pattern, line):
-                return True
-        return False
-
-    def finish(self, timeout: float) -> int:
-        """Wait for the exit (killing the process group after `timeout`); returns the exit code."""
-        try:
-            rc = self.p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill_group()
-            self.p.wait(10)
-            self._drain()
-            raise AssertionError(f"{self.cmd} did not end within {timeout}s:\n{self.output[-4000:]}")
-        self._t.join(10)
-        self._drain()
-        return rc
-
-    def _drain(self):
-        while True:
-            try:
-                line = self._q.get_nowait()
-            except queue.Empty:
-                return
-            if line is not None:
-                self.lines.append(line)
-
-    def kill_group(self):
-        try:
-            os.killpg(self.p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
+        super().__init__(cmd, {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}, cwd)
 
 
 class Tiny:

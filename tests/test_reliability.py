@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from attack import flip_tensor_bytes  # tools/attack.py: the damage the attack suite does
 
 import wm.checkpoint as ck
 from wm.checkpointer import Checkpointer
@@ -47,19 +48,6 @@ def same_training_state(a: dict, b: dict) -> None:
     assert a["step"] == b["step"]
     for k in ("model", "optimizer", "scaler", "sampler", "rng"):
         assert_same(a[k], b[k], k)
-
-
-def flip_tensor_bytes(path: Path, n: int = 8) -> None:
-    """Flip `n` bytes in the middle of the largest tensor record of a torch zip checkpoint (same size)."""
-    with zipfile.ZipFile(path) as z:
-        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    b = bytearray(path.read_bytes())
-    name_len, extra_len = (int.from_bytes(b[info.header_offset + o:info.header_offset + o + 2], "little")
-                           for o in (26, 28))
-    start = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
-    for i in range(start, start + n):
-        b[i] ^= 0xFF
-    path.write_bytes(bytes(b))
 
 
 def stop_after(monkeypatch, steps: int) -> None:

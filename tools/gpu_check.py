@@ -1,5 +1,7 @@
 """GPU self-check: is this machine (driver, CUDA, NCCL, Triton, torch) fit to train wm? One table,
-one row per check, PASS / FAIL / SKIP with a one-line reason; exit status 1 if any row fails.
+one row per check, PASS / FAIL / SKIP with a one-line reason; exit status 1 if any row fails. Where
+no CUDA GPU is visible it says so in one line at once and exits with status 2, checking nothing
+(--device cpu runs the checks that have a CPU meaning, on request).
 
     python tools/gpu_check.py                                   # about 4 minutes on one host
     python tools/gpu_check.py --data /data/occ3d_nuscenes       # also the shard read speed of a data set
@@ -60,10 +62,20 @@ from wm import distributed as D  # noqa: E402
 from wm.errors import WMError, first_line, run_cli  # noqa: E402
 
 CHECKS = ("versions", "tests", "steps", "ddp", "allreduce", "reads")
-from wm.step_graph import WARMUP as STEP_GRAPH_WARMUP  # noqa: E402
-
-GRAPH_STEPS = STEP_GRAPH_WARMUP + 3  # uncaptured warm-up steps, then the capture and two replays
 RESULT = "GPUCHECK "  # a worker's result line
+
+
+def graph_warmup() -> int:
+    """The captured step's uncaptured warm-up steps (imported when needed: wm's models take seconds
+    to import, and a machine without a GPU is told so at once)."""
+    from wm.step_graph import WARMUP
+
+    return WARMUP
+
+
+def graph_steps() -> int:
+    """The steps of the captured check: the warm-up, then the capture and two replays."""
+    return graph_warmup() + 3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,7 +228,7 @@ def worker(a) -> int:
                 B.ensure_tokenizer_checkpoint(run, d)
             res = {}
             # eager and compiled: one step each from the same weights and batch; compiled and graphed:
-            # the same GRAPH_STEPS steps uncaptured and captured (the last ones replayed graphs)
+            # the same graph_steps() steps uncaptured and captured (the last ones replayed graphs)
             # (on a CPU the graphed steps run uncompiled against the eager ones: one compile fewer)
             cuda = device.type == "cuda"
             for mode in ("eager", "compiled", "graphed"):
@@ -236,7 +248,7 @@ def worker(a) -> int:
                         loss, gnorm = float(r.terms["loss"]), float(r.grad_norm)
                         took = time.perf_counter() - t0
                         losses.append(loss)
-                        for _ in range(GRAPH_STEPS - 1 if mode == "graphed" or (mode == "compiled") == cuda else 0):
+                        for _ in range(graph_steps() - 1 if mode == "graphed" or (mode == "compiled") == cuda else 0):
                             losses.append(float(runner.step().terms["loss"]))
                     graphed = runner.graphed and runner.run_step.graphs is not None
                 finally:
@@ -298,7 +310,7 @@ def step_rows(label: str, res: dict, a) -> list[dict]:
             c = c if len(c["losses"]) > 1 else e
             worst = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(g["losses"], c["losses"]))
             ok = worst <= a.loss_tol and len(g["losses"]) == len(c["losses"]) and all(map(math.isfinite, g["losses"]))
-            how = (f"steps {STEP_GRAPH_WARMUP + 1}-{len(g['losses'])} replayed as CUDA graphs" if g["captured"]
+            how = (f"steps {graph_warmup() + 1}-{len(g['losses'])} replayed as CUDA graphs" if g["captured"]
                    else "not captured (no GPU: the captured step's code ran as it is)")
             text = (f"{len(g['losses'])} steps, losses {' '.join(f'{x:.5g}' for x in g['losses'])} vs uncaptured "
                     f"{' '.join(f'{x:.5g}' for x in c['losses'])} (worst rel {worst:.1e}); {how}")
@@ -377,8 +389,9 @@ def table(rows: list[dict]) -> str:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="cuda (default where present) or cpu (gloo ranks; skips what has no CPU meaning)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cuda (default) or cpu: the step, DDP (gloo), all-reduce and read checks on this CPU, "
+                         "skipping what has no CPU meaning (minutes; without a GPU only on request)")
     ap.add_argument("--cfg", help="config whose models and grid the steps use (default: the demo's)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     ap.add_argument("--data", help="a data set folder whose read speed to measure (reads row; else skipped)")
@@ -408,6 +421,10 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     if a.worker:
         return worker(a)
+    if a.device == "cuda" and not torch.cuda.is_available():  # before any import of wm's models: at once
+        raise WMError(f"no CUDA GPU is visible here (torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}): "
+                      "nothing to check; run it on the GPU machine, or pass --device cpu to run the step, DDP (gloo), "
+                      "all-reduce and read checks on this CPU (minutes)")
     from wm.config import load as load_config
 
     cfg = load_config(a.cfg, a.set)  # a bad --cfg / --set is one line before anything runs

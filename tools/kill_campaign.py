@@ -60,7 +60,7 @@ def child_main(argv: list, out) -> None:
     own session; it marks each save and widens the instants between a save's renames."""
     import random
 
-    import wm.checkpoint as c
+    import wm.checkpointer as c
     from wm.errors import run_cli
     from wm.train import main
 

@@ -15,7 +15,7 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Optional, Any, Callable
 
 from wm.errors import WMError
 
@@ -117,16 +117,24 @@ def mib(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
 
 
-def require_space(folder: str | os.PathLike, need: int, what: str) -> None:
-    """Refuse (one line naming the folder, the space needed and the space free) unless the file
-    system that holds `folder` (or its nearest existing parent) has `need` bytes free for this user:
-    a full disk is found before the work whose result could not be saved, not at its first save."""
+def free_space(folder: str | os.PathLike) -> Optional[int]:
+    """Bytes free for this user on the file system that holds `folder` (or its nearest existing
+    parent); None where it cannot be read."""
     p = Path(folder).absolute()
     while not p.exists() and p != p.parent:
         p = p.parent
     try:
-        free = shutil.disk_usage(p).free
+        return shutil.disk_usage(p).free
     except OSError:
+        return None
+
+
+def require_space(folder: str | os.PathLike, need: int, what: str) -> None:
+    """Refuse (one line naming the folder, the space needed and the space free) unless the file
+    system that holds `folder` (or its nearest existing parent) has `need` bytes free for this user:
+    a full disk is found before the work whose result could not be saved, not at its first save."""
+    free = free_space(folder)
+    if free is None:
         return  # no figure to go by: the writes themselves still fail in one line
     if free < need:
         raise WMError(f"not enough space for {folder}: {what} needs about {mib(need)}, its disk has "

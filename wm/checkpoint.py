@@ -262,6 +262,9 @@ def list_checkpoints(folder: str | os.PathLike) -> list[Path]:
         names = os.listdir(folder)
     except FileNotFoundError:
         return []
+    except NotADirectoryError:
+        raise CheckpointError(f"checkpoint folder {folder} is a file, not a folder; move it away (a stage keeps "
+                              "its checkpoints in that folder)") from None
     found = [(s, n) for n in names if (s := step_of(n)) is not None]
     return [folder / n for s, n in sorted(found)]
 
@@ -367,7 +370,8 @@ def _problem(path: Path) -> str | None:
 
 def _refused(path: Path, why: str) -> CheckpointError:
     """The one-line error for a checkpoint that fails; `.why` keeps the phrase for newest_valid."""
-    e = CheckpointError(f"checkpoint {path} {why}; {_prev_hint(path)}")
+    in_folder = step_of(path.name) is not None or path.name == BEST  # a file given by name has no "previous"
+    e = CheckpointError(f"checkpoint {path} {why}" + (f"; {_prev_hint(path)}" if in_folder else ""))
     e.why = why
     return e
 
@@ -398,6 +402,8 @@ def load_checked(path: str | os.PathLike, map_location: Any = "cpu",
     path = Path(path)
     verify(path)
     st = _load(path, map_location)
+    if not isinstance(st, dict):  # every wm checkpoint is a dict: a caller may rely on it
+        raise _refused(path, f"is not a wm checkpoint (it holds a {type(st).__name__}, not a training state)")
     n, got = step_of(path.name), st.get("step") if isinstance(st, dict) else None
     why = (f"holds step {got!r:.20}, not the step {n} its name says" if n is not None and isinstance(st, dict)
            and "step" in st and got != n else None) or (check(path, st) if check else None)

@@ -199,8 +199,51 @@ class Checkpointer:
             prev = self.latest()
         except OSError:
             prev = None
-        intact = (f"the previous checkpoint {prev.name} and the pointer are intact" if prev else
-                  f"no earlier checkpoint in {self.folder}")
+        kept = self._keep(path)  # a step saved again (a replay): its earlier file comes back if this save fails
+        gone = f"the new {name} was removed and the earlier one put back" if kept else f"{name} was removed"
+        intact = ("the pointer is intact" if kept else f"the previous checkpoint {prev.name} and the pointer are intact"
+                  if prev else f"no earlier checkpoint in {self.folder}")
+        try:
+            self._commit(state, step, name, value, path, gone, intact)
+        except BaseException:
+            for f, k in kept:
+                os.replace(k, f)
+                discard(k)  # still there where f was never replaced: a rename onto its own hard link does nothing
+            if kept:
+                fsync_dir(self.folder)
+            raise
+        for _, k in kept:
+            discard(k)
+        self.last_path = path
+        self._rotate(keep=path)  # 6
+        self.last_write_s = time.perf_counter() - t0
+
+    def _keep(self, path: Path) -> list[tuple[Path, Path]]:
+        """(file, a hard link or copy of it) of `path` and its .sha256 where they exist: what a failed
+        save of the same step puts back (a temporary's name, so a killed writer's is removed on start)."""
+        kept = []
+        for f in (path, sums_file(path)):
+            if f.exists():
+                k = f.with_name(f".{f.name}.kept.tmp-{os.getpid()}")
+                discard(k)
+                try:
+                    try:
+                        os.link(f, k)
+                    except OSError as e:
+                        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+                            raise
+                        _copy(f, k)  # file system without hard links
+                except OSError as e:
+                    for _, k2 in kept + [(f, k)]:
+                        discard(k2)
+                    raise CheckpointError(f"cannot save checkpoint {path} again: keeping its earlier file failed "
+                                          f"({first_line(e)}); nothing was changed, {path.name} is intact") from e
+                kept.append((f, k))
+        return kept
+
+    def _commit(self, state: dict, step: int, name: str, value: float | None, path: Path, gone: str,
+                intact: str) -> None:
+        """Steps 1 to 5 of the save of `step` (the module docstring)."""
         try:
             size, sha = write_hashed(path, lambda f: torch.save(state, f))  # 1
         except OSError as e:
@@ -208,7 +251,7 @@ class Checkpointer:
                                   f"saved under that name, {intact}") from e
         if self._better(value):  # 2, 3: before step N counts, so best is never behind it
             try:
-                self._update_best(path, step, value, size, sha)
+                self._update_best(path, step, value, size, sha, gone)
             except CheckpointError:
                 discard(path)
                 raise
@@ -222,12 +265,9 @@ class Checkpointer:
             discard(path)  # a failed save leaves nothing under a checkpoint name
             discard(sums_file(path))
             raise CheckpointError(f"cannot write checkpoint record {target}: "
-                                  f"{first_line(e)}; {name} was removed, {intact}") from e
-        self.last_path = path
-        self._rotate(keep=path)  # 6
-        self.last_write_s = time.perf_counter() - t0
+                                  f"{first_line(e)}; {gone}, {intact}") from e
 
-    def _update_best(self, path: Path, step: int, value: float, size: int, sha: str) -> None:
+    def _update_best(self, path: Path, step: int, value: float, size: int, sha: str, gone: str) -> None:
         best = self.folder / BEST
         tmp = tmp_path(best)
         try:
@@ -245,8 +285,8 @@ class Checkpointer:
         except OSError as e:
             discard(tmp)
             held = f"step {self.best_step}" if self.best_step is not None else "the previous best"
-            raise CheckpointError(f"cannot update {best} for {path.name}: {first_line(e)}; {path.name} "
-                                  f"was removed, {best} still holds {held}") from e
+            raise CheckpointError(f"cannot update {best} for {path.name}: {first_line(e)}; {gone}, {best} still "
+                                  f"holds {held}") from e
         self.best_value, self.best_step = value, step
 
     def _rotate(self, keep: Path) -> None:

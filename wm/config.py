@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from wm.atomic import write_bytes
-from wm.config_rules import ALLOWED, FREE, MATCH, rule, rules
+from wm.config_rules import ALLOWED, BATCH_WHY, FREE, MATCH, MAX_BATCH, at_most, resolve_paths, rule, rules
 from wm.config_runtime import (ActivationCheckpointConfig, CheckpointConfig, CompileConfig, DDPConfig,
                                KernelsConfig, LoaderConfig, LoggingConfig)
 from wm.config_init import InitConfig, check_prefixes
@@ -43,7 +43,7 @@ META_KEY = "meta"  # written by wm beside the sections (fingerprint, versions); 
 class RunConfig:
     RESUME, EVALUATE = MATCH, FREE
     name: str = rule("demo", resume=FREE)  # the run folder is <out_dir>/<name>
-    out_dir: str = rule("runs", resume=FREE)  # folder of run folders
+    out_dir: str = rule("runs", resume=FREE, path=True)  # folder of run folders
     seed: int = 0  # initial weights, data order and every RNG stream follow from it
 
     def validate(self) -> None:
@@ -56,7 +56,7 @@ class DataConfig:
     RESUME, EVALUATE = MATCH, FREE  # a checkpoint's grid and classes must be the evaluation's
     # A data set is a folder with manifest.json (wm/shards.py). Empty: the built-in synthetic
     # scenes (section `synthetic`), generated once into a cache folder.
-    root: str = rule("", resume=FREE)  # data set folder (manifest.json + shards); empty: the built-in synthetic scenes
+    root: str = rule("", resume=FREE, path=True)  # data set folder (manifest.json + shards); empty: the built-in synthetic scenes
     train_split: str = "train"  # split the stages train on
     val_split: str = "val"  # split validation and --eval-only score
     # What the data must be; checked against the manifest before anything trains, so a
@@ -107,6 +107,7 @@ class DataConfig:
         for k in ("past", "future", "stride", "window_step", "batch_size"):
             if getattr(self, k) < 1:
                 raise ConfigError(k, f"{getattr(self, k)} must be >= 1")
+        at_most(self, ("batch_size",), MAX_BATCH, BATCH_WHY)
         if self.max_windows < 0:
             raise ConfigError("max_windows", f"{self.max_windows} must be >= 0")
         if not all(h > 0 for h in self.horizons_s):
@@ -136,7 +137,7 @@ class SyntheticConfig:
     # blocks: solid columns, 37 % occupied (the first generator, far easier than Occ3D)
     style: str = "occ3d"  # which generator: occ3d | airside | blocks (wm/synthetic_occ3d.py, synthetic_airside.py, synthetic_blocks.py)
     # Generated once, into <cache_dir>/<hash of these settings>. Empty: $WM_CACHE or ~/.cache/wm.
-    cache_dir: str = rule("", resume=FREE)  # where generated sets are kept (empty: $WM_CACHE or ~/.cache/wm)
+    cache_dir: str = rule("", resume=FREE, path=True)  # where generated sets are kept (empty: $WM_CACHE or ~/.cache/wm)
 
     def validate(self) -> None:
         from wm.shards import COMPRESSIONS, KINDS
@@ -237,6 +238,7 @@ class StageConfig:
         for k in ("max_steps", "batch_size", "global_batch", "warmup_steps", "early_stop", "val_windows"):
             if getattr(self, k) < 0:
                 raise ConfigError(k, f"{getattr(self, k)} must be >= 0")
+        at_most(self, ("batch_size", "global_batch"), MAX_BATCH, BATCH_WHY)
         if not self.lr > 0:
             raise ConfigError("lr", f"{self.lr} must be > 0")
         if not 0 <= self.min_lr <= self.lr:
@@ -495,7 +497,7 @@ def from_saved(d: Any) -> "Config":
     config file takes the demo's defaults instead, as from_dict gives them)."""
     hints = _hints(Config)
     base = Config(**{f.name: hints[f.name]() for f in dataclasses.fields(Config)})
-    return from_dict(Config, d, base=base)
+    return resolve_paths(from_dict(Config, d, base=base), saved=True)
 
 
 def _plain(obj) -> Any:
@@ -564,7 +566,7 @@ def load(path: Optional[str | os.PathLike] = None, overrides: tuple[str, ...] | 
     run folder's layout is read as this one, each change said (`say`) in one line."""
     d: dict = {}
     if path is not None:
-        p = Path(path)
+        p = Path(path).expanduser()
         if not p.is_file():
             raise ConfigError("--cfg", f"config file {p} does not exist")
         try:
@@ -585,7 +587,7 @@ def load(path: Optional[str | os.PathLike] = None, overrides: tuple[str, ...] | 
         raise ConfigError(e.key, f"{e.msg} (in {path})" if path is not None else e.msg) from None
     for item in overrides:
         apply_override(cfg, item)
-    return cfg.validate()
+    return (resolve_paths(cfg) if cls is Config else cfg).validate()
 
 
 def save(cfg, path: str | os.PathLike, meta: Optional[dict] = None) -> None:

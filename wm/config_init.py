@@ -4,9 +4,9 @@ themselves."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from wm.config_rules import FREE, MATCH
+from wm.config_rules import FREE, MATCH, rule
 from wm.errors import ConfigError
 
 INIT_STAGES = ("tokenizer", "world")
@@ -20,10 +20,10 @@ class InitConfig:
 
     RESUME, EVALUATE = MATCH, FREE
     # a run folder (each stage from its best checkpoint) or one checkpoint file
-    from_: str = ""  # run folder or checkpoint to start from (empty: from scratch)
+    from_: str = rule("", path=True)  # run folder or checkpoint to start from (empty: from scratch)
     stages: tuple[str, ...] = ()  # stages initialised from it (empty: every stage the source has)
     # {this data's class: the source's class}; classes of the same name map without it, free to free
-    class_map: dict[str, str] | str = field(default_factory=dict)  # class name -> source class name, or a JSON file of it
+    class_map: dict[str, str] | str = rule({}, path=True)  # class name -> source class name, or a JSON file of it
     # mean: the mean of the source's non-free class embeddings; fresh: the new model's random init
     new_classes: str = "mean"  # how a class with no source class starts: mean | fresh
 

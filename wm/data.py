@@ -12,9 +12,13 @@ ranks, continues with exactly the samples that were not yet consumed, in the sam
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
+import re
 import signal
+import sys
+import weakref
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -23,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from wm.config import DataConfig, LoaderConfig
-from wm.errors import DataError
+from wm.errors import DataError, WMError
 from wm.shards import Manifest, Shard, check_moving, open_split
 
 
@@ -317,15 +321,109 @@ def ignore_stop_signals(worker_id: int = 0) -> None:
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
-def start_workers(loader: DataLoader):
-    """`iter(loader)` with SIGTERM/SIGINT blocked while the workers are forked: a signal that comes
-    before a new worker reaches `ignore_stop_signals` waits (and is then ignored there), and one
-    for the trainer is delivered as soon as the workers are started."""
+def start_workers(loader: DataLoader) -> "Batches":
+    """`iter(loader)` (as `Batches`) with SIGTERM/SIGINT blocked while the workers are forked: a
+    signal that comes before a new worker reaches `ignore_stop_signals` waits (and is then ignored
+    there), and one for the trainer is delivered as soon as the workers are started."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
-        return iter(loader)
+        return Batches(loader, iter(loader))
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class Batches:
+    """A loader's iterator whose errors read as they would in the main process. torch re-raises a
+    worker's exception with the worker's whole traceback as its message (or as a RuntimeError, where
+    the type takes other arguments): a WMError from a worker becomes the same WMError with its own one
+    line again, anything else (a bug) keeps its traceback. Either way the workers are ended at once."""
+
+    def __init__(self, loader: DataLoader, it):
+        self.loader, self.it = loader, it
+        _STARTED.add(it)
+        _WORKERS.update(getattr(it, "_workers", ()))
+
+    def __iter__(self) -> "Batches":
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.it)
+        except StopIteration:
+            raise
+        except Exception as e:
+            self.close()
+            mine = from_worker(e)
+            if mine is None:
+                raise
+            raise mine from None
+
+    def close(self) -> None:
+        """End the worker processes now (an iterator that failed is of no further use)."""
+        end_workers(self.it)
+        if getattr(self.loader, "_iterator", None) is self.it:  # persistent workers: no reuse of ended ones
+            self.loader._iterator = None
+
+
+_CAUGHT = re.compile(r"Caught (\w+) in (.+?)\.\nOriginal Traceback")
+
+
+def from_worker(e: BaseException) -> Optional[WMError]:
+    """The WMError that a DataLoader worker raised, rebuilt from the text torch re-raised it with
+    ("Caught X in DataLoader worker process N.\nOriginal Traceback ...\nmodule.X: message");
+    None for an exception of any other kind or origin."""
+    text = str(e)
+    head = _CAUGHT.match(text)
+    if head is None:
+        return None
+    name, where = head.groups()
+    last = None
+    for last in re.finditer(rf"^([\w.]+)\.{name}(?:: |$)", text, re.M):
+        pass
+    cls = getattr(sys.modules.get(last.group(1)), name, None) if last else None
+    if not (isinstance(cls, type) and issubclass(cls, WMError)):
+        return None
+    msg = text[last.end():].strip() or f"{name} in {where}"  # the worker's id only when nothing else is said
+    try:
+        return cls(msg)
+    except TypeError:  # a constructor of other arguments (ConfigError's key and message): the same line
+        err = cls.__new__(cls)
+        Exception.__init__(err, msg)
+        return err
+
+
+def end_workers(it) -> None:
+    """End a loader iterator's worker processes: torch's own shutdown, then a kill for any still
+    alive (they ignore SIGTERM, so torch's terminate() would leave them)."""
+    stop = getattr(it, "_shutdown_workers", None)
+    if stop is None:  # no workers (num_workers=0)
+        return
+    workers = list(getattr(it, "_workers", ()))
+    try:
+        stop()
+    except Exception:  # a shutdown that fails half-way: the kill below still ends them
+        pass
+    for w in workers:
+        if w.is_alive():
+            w.kill()
+            w.join(5)
+
+
+_STARTED: "weakref.WeakSet" = weakref.WeakSet()  # every iterator start_workers made and not yet freed
+_WORKERS: "weakref.WeakSet" = weakref.WeakSet()  # and their worker processes
+
+
+@atexit.register  # registered after multiprocessing's own exit handler, so it runs before it
+def _end_workers_at_exit() -> None:
+    """multiprocessing's exit handler terminates daemonic children (SIGTERM, which the workers ignore)
+    and then waits for them without a limit: a process leaving on an error whose traceback still held
+    a loader iterator waited forever. End every worker first."""
+    for it in list(_STARTED):
+        end_workers(it)
+    for w in list(_WORKERS):  # an iterator freed in a garbage cycle: its queues closed before it could end them
+        if w.is_alive():
+            w.kill()
+            w.join(5)
 
 
 def make_loader(ds: Dataset, sampler, cfg: LoaderConfig, batch_size: int, drop_last: bool = True,

@@ -50,14 +50,15 @@ import wm
 from wm import distributed as D
 from wm.atomic import write_bytes
 from wm.checkpoint import load_checked as load_ckpt, newest_valid, sha256_file
-from wm.ckpt_checks import EVAL_KEYS, checker, first_nonfinite
+from wm.ckpt_checks import EVAL_KEYS, checker, first_nonfinite, own_model_problem
 from wm.config import MATCH, Config, DataConfig, key_rules, model_options, stage_sections, to_dict, upgrade
-from wm.data import OccWindows, check_against_config, ignore_stop_signals, resolve_root, start_workers
+from wm.data import OccWindows, check_against_config, ignore_stop_signals, start_workers
 from wm.datastats import moving_classes
 from wm.errors import DataError, WMError
 from wm.logs import Progress
 from wm.horizons import PROTOCOL_HORIZONS, default_horizons, horizon_label, horizon_steps, parse_horizons
 from wm.metrics import MODES, OCCWORLD_STEPS, ConfusionMatrix, copy_last
+from wm.run import shared_root, unwritable
 from wm.tokenizer import Tokenizer
 from wm.world import WorldModel
 
@@ -319,11 +320,14 @@ def load_stage(path: Path, stage: Optional[str] = None, what: str = "--ckpt", st
     if st is None:
         st = load_ckpt(path)  # checksum first; CheckpointError (one line) for a damaged file
     got = st.get("stage") if isinstance(st, dict) else None
-    if got not in STAGE_WORDS or "model" not in st or "config" not in st:
+    if not isinstance(got, str) or got not in STAGE_WORDS or "model" not in st or "config" not in st:
         raise WMError(f"{path} is not a wm training checkpoint (no stage, model and config in it)")
     if stage is not None and got != stage:
         raise WMError(f"{path} is a {STAGE_WORDS[got]} checkpoint, but a {STAGE_WORDS[stage]} checkpoint "
                       f"is needed here ({what}); {stage} checkpoints live in runs/<name>/{stage}/checkpoints/")
+    why = own_model_problem(st, got)  # its config readable, its weights the model that config describes
+    if why:
+        raise WMError(f"{path} {why}; it is not a checkpoint wm can use")
     bad = first_nonfinite(st, ("model",))
     if bad:
         raise WMError(f"{path} holds non-finite values (first: {bad}); evaluate a checkpoint saved before them")
@@ -361,9 +365,9 @@ def world_tokenizer(st: dict, path: Path, run_dir: Path) -> tuple[Path, str]:
 
     Looked for where the checkpoint says, then in the same run's tokenizer folder (a run folder that
     was moved or copied); the file must have the recorded hash."""
-    info = st.get("tokenizer") or {}
+    info = st.get("tokenizer") if isinstance(st.get("tokenizer"), dict) else {}
     rec, want = info.get("path"), info.get("sha256")
-    if not rec or not want:
+    if not isinstance(rec, str) or not isinstance(want, str) or not rec or not want:
         raise WMError(f"{path} does not name its tokenizer (path and sha256); it was not written by wm's world stage")
     rec = Path(rec)
     here = path.resolve().parent.parent.parent / "tokenizer" / "checkpoints" / rec.name
@@ -413,12 +417,7 @@ def check_stride(plan: list, cfg: Config, frame_rate_hz: float) -> None:
 
 def _data_root(cfg: Config, d: D.Dist, say) -> Path:
     """data.root, or the synthetic set (rank 0 generates it first), as the training run does."""
-    root = None
-    if d.is_main or cfg.data.root:
-        root = resolve_root(cfg, log=say)
-    D.barrier(d)
-    if root is None:
-        root = resolve_root(cfg, log=say)
+    root = shared_root(cfg, d, say)
     if cfg.data.root and not Path(root).is_dir():
         raise DataError(f"data.root {root} does not exist: set it to a wm data set folder (manifest.json + "
                         "shards) with --set data.root=/path/to/it")
@@ -481,7 +480,7 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
 
     # ---- which checkpoints: all refusals before any data is read or model run
-    ckpt = Path(args.ckpt) if args.ckpt else None
+    ckpt = Path(args.ckpt).expanduser() if args.ckpt else None
     if ckpt is not None:
         if args.stage == "all":
             raise WMError("--stage all evaluates a run's checkpoints; with --ckpt only that checkpoint's "
@@ -535,6 +534,10 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
         if fp and fp != manifest.fingerprint:
             say(f"note: {p} was trained on data {fp[:16]}, evaluating on {root} ({manifest.fingerprint[:16]})")
 
+    out = Path(args.json).expanduser() if args.json else default_json(run_dir, stages, split, mode, mask, ckpt, horizons)
+    failure = D.broadcast_object(unwritable(out.parent) if d.is_main else None, d)  # before the evaluation
+    if failure:
+        raise WMError(f"cannot write the evaluation report {out} ({failure}); choose another path with --json")
     names = list(info.class_names)
     bs = {s: getattr(cfg, f"{s}_stage").batch_size or cfg.data.batch_size for s in ("tokenizer", "world")}
     rep: dict[str, Any] = {
@@ -587,7 +590,6 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
                         **forecast_report(f, steps, horizons, mode, names)}
 
     if d.is_main:
-        out = Path(args.json) if args.json else default_json(run_dir, stages, split, mode, mask, ckpt, horizons)
         print(format_table(rep))
         try:
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 import warnings
@@ -51,6 +52,10 @@ class Logger:
             except Exception as e:  # ImportError, OSError, anything: warn and go on
                 self._fail("tensorboard", e)
         try:
+            cut = drop_partial_line(self.dir / "metrics.jsonl")
+            if cut:
+                print(f"note: {self.dir / 'metrics.jsonl'} ended in a record cut short ({cut} bytes, by a full disk "
+                      "or a kill mid-write); dropped it, so the next record starts a line of its own", file=self.stream)
             self._jsonl = open(self.dir / "metrics.jsonl", "a", buffering=1)
         except OSError as e:
             self._fail("metrics.jsonl", e)
@@ -142,6 +147,33 @@ class Logger:
                 except Exception:
                     pass
         self._tb = self._jsonl = None
+
+
+def drop_partial_line(path: Path) -> int:
+    """Cut a JSON-lines file back to its last complete line (one that ends in a newline); returns the
+    bytes cut (0: none, or no file). A line cut short is no record, and one appended to it would be
+    glued onto it."""
+    try:
+        f = open(path, "rb+")
+    except FileNotFoundError:
+        return 0
+    with f:
+        end = pos = f.seek(0, 2)
+        while pos > 0:
+            n = min(pos, 1 << 16)
+            pos -= n
+            f.seek(pos)
+            chunk = f.read(n)
+            if pos + n == end and chunk.endswith(b"\n"):
+                return 0
+            i = chunk.rfind(b"\n")
+            if i >= 0:
+                pos += i + 1
+                break
+        f.truncate(pos)
+        f.flush()
+        os.fsync(f.fileno())
+        return end - pos
 
 
 def eta(seconds: float) -> str:

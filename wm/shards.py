@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -201,8 +202,11 @@ def load_manifest(root: str | os.PathLike) -> Manifest:
         d = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{p}: not valid JSON ({e}); the manifest is damaged, re-create the data set") from None
-    if not isinstance(d, dict) or d.get("format") != FORMAT:
-        raise DataError(f"{p}: field 'format' is {d.get('format') if isinstance(d, dict) else d!r}, expected {FORMAT!r}")
+    if not isinstance(d, dict):
+        raise DataError(f"{p}: the top level is {_json_kind(d)}, expected an object of fields (format, version, "
+                        "grid, ..., shards); the manifest is damaged, re-create the data set")
+    if d.get("format") != FORMAT:
+        raise DataError(f"{p}: field 'format' is {_short(d.get('format'))}, expected {FORMAT!r}")
     if d.get("version") != VERSION:
         raise DataError(f"{p}: field 'version' is {d.get('version')!r}; this wm reads version {VERSION}")
     keys = ("grid", "num_classes", "free_class", "class_names", "voxel_size", "range",
@@ -239,14 +243,48 @@ def load_manifest(root: str | os.PathLike) -> Manifest:
     shards = d["shards"]
     if not isinstance(shards, list):
         raise DataError(f"{p}: field 'shards' is {shards!r}, expected a list of shard entries")
-    need = ("path", "kind", "split", "scenes", "frames", "bytes", "sha256")
     for i, s in enumerate(shards):
-        for k in need:
-            if not isinstance(s, dict) or k not in s:
-                raise DataError(f"{p}: shards[{i}] has no field '{k}'")
-        if s["kind"] not in KINDS:
-            raise DataError(f"{p}: shards[{i}].kind is {s['kind']!r}, expected one of {list(KINDS)}")
+        _check_entry(p, i, s)
     return Manifest(root, info, list(shards))
+
+
+def _whole(least: int):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+# what each field of a shard entry must be: (said in the message, test)
+ENTRY = {"path": ("a path inside the data set folder (a string)", lambda v: isinstance(v, str) and v.strip() != ""),
+         "kind": (f"one of {list(KINDS)}", lambda v: isinstance(v, str) and v in KINDS),
+         "split": ("a split name (a string)", lambda v: isinstance(v, str) and v != ""),
+         "scenes": ("a whole number >= 1", _whole(1)),
+         "frames": ("a whole number >= 1", _whole(1)),
+         "bytes": ("a whole number >= 0", _whole(0)),
+         "sha256": ("64 hex digits", lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-fA-F]{64}", v) is not None)}
+
+
+def _check_entry(p: Path, i: int, s) -> None:
+    """One shard entry of manifest.json has every field, each of its type: DataError naming the entry and field."""
+    if not isinstance(s, dict):
+        raise DataError(f"{p}: shards[{i}] is {_json_kind(s)}, expected an object with fields {', '.join(ENTRY)}")
+    name = f"shards[{i}]" + (f" ({s['path']})" if ENTRY["path"][1](s.get("path")) else "")
+    for k, (what, ok) in ENTRY.items():
+        if k not in s:
+            raise DataError(f"{p}: {name} has no field '{k}'; the manifest is damaged, re-create the data set")
+        if not ok(s[k]):
+            raise DataError(f"{p}: {name} field '{k}' is {_short(s[k])}, expected {what}; the manifest is "
+                            "damaged, re-create the data set")
+
+
+def _short(v, n: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= n else r[:n - 3] + "..."
+
+
+def _json_kind(v) -> str:
+    """How a JSON value is named in a message: its JSON type and (shortened) text."""
+    kind = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(v), "a number")
+    return kind if v is None else f"{kind} ({_short(v, 40)})"
 
 
 def verify(root: str | os.PathLike) -> list[str]:
@@ -283,6 +321,7 @@ class Shard:
         self.kind, self.info, self.entry, self.cache_bytes = entry["kind"], info, entry, cache_bytes
         self._h5 = self._pid = None
         self._mm: dict[str, np.ndarray] = {}
+        self._opened: dict = {}  # field: (shape, dtype) as checked at open; a reading process holds its file to it
         self.compression, self.needs_plugin = "none", False
         if not self.path.exists():
             raise DataError(f"shard {self.path} is missing (listed in {Path(root) / MANIFEST}); "
@@ -313,9 +352,10 @@ class Shard:
             else:
                 arr = {k: self._npy(k) for k in fields + ("pose", "timestamp", "scene_offsets")}
                 big = {k: (arr[k].shape, arr[k].dtype) for k in fields}
-                self.pose = np.asarray(arr["pose"])
-                self.timestamp = np.asarray(arr["timestamp"])
-                self.scene_offsets = np.asarray(arr["scene_offsets"])
+                # copies, not views of the mapped files: what is checked here is what every worker reads
+                self.pose = np.array(arr["pose"])
+                self.timestamp = np.array(arr["timestamp"])
+                self.scene_offsets = np.array(arr["scene_offsets"])
                 names = self.path / "scene_names.json"
                 if not names.is_file():
                     raise DataError(f"shard {self.path}: field 'scene_names' is missing (scene_names.json)")
@@ -330,6 +370,7 @@ class Shard:
             raise DataError(f"shard {self.path}: cannot be read ({first_line(e)}); it is truncated or "
                             "corrupt: run tools/inspect_data.py --verify and re-create it") from None
         self._check(big)
+        self._opened = big
 
     # -- checks at open: cheap, whole-shard, before anything trains
     def _check(self, big: dict) -> None:
@@ -371,10 +412,26 @@ class Shard:
         if self._h5 is None or self._pid != os.getpid():
             if self.needs_plugin:
                 _plugins(f"shard {self.path} (compressed with {self.compression})")
+            self._still_there()
             # locking=False: read-only shards on network filesystems (and h5py files across fork).
             self._h5 = h5py.File(self.path, "r", rdcc_nbytes=self.cache_bytes, locking=False)
             self._pid = os.getpid()
+            for k in self._opened:
+                self._as_opened(k, self._h5[k].shape, self._h5[k].dtype)
         return self._h5
+
+    def _still_there(self) -> None:
+        """A reading process (a DataLoader worker) opens the shard itself, later than the checks at open."""
+        if self._opened and not self.path.exists():
+            raise DataError(f"shard {self.path} is gone: it was there when the data set was opened (deleted "
+                            "or moved while in use); restore it, or re-create the data set and start again")
+
+    def _as_opened(self, field: str, shape, dtype) -> None:
+        was = self._opened.get(field)
+        if was is not None and (tuple(shape), dtype) != (tuple(was[0]), was[1]):
+            raise DataError(f"shard {self.path}: field '{field}' is now {dtype}{tuple(shape)}, it was "
+                            f"{was[1]}{tuple(was[0])} when the data set was opened (the shard was replaced while "
+                            "in use); start again, so that it is checked")
 
     def _npy(self, k: str) -> np.ndarray:
         p = self.path / f"{k}.npy"
@@ -398,7 +455,10 @@ class Shard:
                 except OSError as e:
                     raise DataError(self._damaged(field, start, stop, step, e)) from None
             if field not in self._mm:
-                self._mm[field] = self._npy(field)
+                self._still_there()
+                a = self._npy(field)
+                self._as_opened(field, a.shape, a.dtype)
+                self._mm[field] = a
             return np.array(self._mm[field][start:stop:step])
         except DataError:
             raise

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from wm import distributed as D, init_from
-from wm.checkpoint import latest_checkpoint, newest_valid, sha256_file
+from wm.checkpoint import (POINTER, list_checkpoints, newest_valid, read_json, sha256_file, step_of, sums_file,
+                           write_json_atomic)
 from wm.ckpt_checks import EVAL_KEYS, checker, meta_model, shapes
 from wm.config import Config, DataConfig, model_options
 from wm.data import CodeWindows, OccWindows
@@ -296,28 +297,86 @@ def tokenizer_checkpoint(run: Run) -> tuple[Path, dict]:
 
 def retire_stale_world(run: Run, tok: Path, sha: str) -> None:
     """The world stage belongs to the tokenizer it trained on. When the tokenizer stage went on and
-    its best checkpoint changed, the world stage's folder is moved aside (said) and the stage
-    starts over; when the best was skipped as damaged, the run stops instead (restore it)."""
+    its best checkpoint changed, every checkpoint of the stage's own names the old one: the world
+    stage's folder is moved aside (said) and the stage starts over; when the best was skipped as
+    damaged, the run stops instead (restore it). A step file that is not the stage's own (another
+    run's config or data, or another tokenizer than its own checkpoints') is named and moved into
+    <world>/foreign-<date>/, never resumed from, overwritten or rotated away."""
     error, folder = None, run.stage_dir("world")
-    last = latest_checkpoint(folder / "checkpoints") if run.d.is_main else None
-    try:  # one small field: the file itself is checked when it is loaded
-        old = torch.load(last, map_location="cpu", weights_only=True, mmap=True)["tokenizer"]["sha256"] if last else sha
-    except Exception:
-        old = sha
-    if old != sha and tok.name != "best.pt" and (tok.parent / "best.pt").exists():
-        error = (f"the world stage was trained on tokenizer {old[:12]}, but the tokenizer's best.pt was "
-                 f"skipped (above) for {tok.name} ({sha[:12]}); restore best.pt, or start over with --fresh")
-    elif old != sha:
-        aside, n = folder.with_name(f"world.{time.strftime('%Y%m%d-%H%M%S')}"), 1
-        while aside.exists():
-            aside, n = folder.with_name(f"world.{time.strftime('%Y%m%d-%H%M%S')}-{n}"), n + 1
-        os.replace(folder, aside)
-        fsync_dir(folder.parent)
-        run.say(f"world stage: its checkpoints were trained on tokenizer {old[:12]}, the tokenizer's best is now "
-                f"{sha[:12]}; moved them to {aside}: the world stage starts over")
+    found = world_checkpoints(run, folder / "checkpoints", sha) if run.d.is_main else []
+    own = [(p, s) for p, s, why, _ in found if why is None]
+    if own and all(s != sha for _, s in own):
+        old = own[0][1]
+        if tok.name != "best.pt" and (tok.parent / "best.pt").exists():
+            error = (f"the world stage was trained on tokenizer {old[:12]}, but the tokenizer's best.pt was "
+                     f"skipped (above) for {tok.name} ({sha[:12]}); restore best.pt, or start over with --fresh")
+        else:
+            aside = _aside(folder, ".")
+            os.replace(folder, aside)
+            fsync_dir(folder.parent)
+            run.say(f"world stage: its checkpoints were trained on tokenizer {old[:12]}, the tokenizer's best is now "
+                    f"{sha[:12]}; moved them to {aside}: the world stage starts over")
+    else:
+        strays = [(p, why or theirs) for p, s, why, theirs in found if why or s != sha]
+        if strays:
+            aside = _aside(folder / "foreign", "-")
+            aside.mkdir()
+            then = ("the stage goes on from its own checkpoints" if any(s == sha for _, s in own) else
+                    "the stage has none of its own: it starts at step 0")
+            for p, why in strays:
+                for f in (p, sums_file(p)):
+                    if f.exists():
+                        os.replace(f, aside / f.name)
+                run.say(f"warning: {p} is not this run's world checkpoint: it {why}; moved it to {aside} ({then})")
+            pointer = folder / "checkpoints" / POINTER
+            if (read_json(pointer) or {}).get("file") in {p.name for p, _ in strays}:  # it named a moved file
+                _point_at_own(pointer, [p for p, s in own if s == sha])
+            fsync_dir(folder / "checkpoints")
     failure = D.broadcast_object(error, run.d)
     if failure:
         raise WMError(failure)
+
+
+def world_checkpoints(run: Run, folder: Path, sha: str) -> list[tuple[Path, Optional[str], Optional[str], str]]:
+    """Each world step file of `folder` that opens, newest first: (file, the tokenizer sha256 it
+    trained on, why it is not this run's by stage, config or data (None: it is), why not with
+    tokenizer `sha`). Only the pickle is read (tensors memory-mapped); a file that does not open is
+    the loop's to name when it resumes."""
+    ident, full, out = belongs(run, "world"), belongs(run, "world", sha), []
+    for p in reversed(list_checkpoints(folder)):
+        try:
+            st = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:
+            continue
+        if not isinstance(st, dict):
+            continue
+        tok = st.get("tokenizer")
+        got = tok.get("sha256") if isinstance(tok, dict) and isinstance(tok.get("sha256"), str) else None
+        why = (f"is a {st.get('stage')!s:.20} checkpoint" if st.get("stage") != "world" else None) or ident(st) or (
+            None if got else "names no tokenizer it was trained on")
+        out.append((p, got, why, why or full(st) or ""))
+    return out
+
+
+def _point_at_own(pointer: Path, own: list[Path]) -> None:
+    """`latest` names the newest of `own` that is committed (its .sha256 recorded), as a save writes
+    it; without one, it goes: the newest committed step file is found without it."""
+    for p in own:
+        parts = sums_file(p).read_text().split() if sums_file(p).is_file() else []
+        if parts and parts[-1].lstrip("*") == p.name:
+            write_json_atomic(pointer, {"file": p.name, "step": step_of(p.name), "size": p.stat().st_size,
+                                        "sha256": parts[0]})
+            return
+    os.unlink(pointer)
+
+
+def _aside(path: Path, sep: str) -> Path:
+    """<path><sep><date>, with -1, -2... while that is taken: a folder set aside never lands on an older one."""
+    base = path.with_name(f"{path.name}{sep}{time.strftime('%Y%m%d-%H%M%S')}")
+    aside, n = base, 1
+    while aside.exists():
+        aside, n = base.with_name(f"{base.name}-{n}"), n + 1
+    return aside
 
 
 def step_seconds(cfg: Config, info) -> Optional[float]:

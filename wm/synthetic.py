@@ -10,15 +10,17 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from wm import synthetic_airside, synthetic_blocks, synthetic_occ3d
-from wm.atomic import tmp_path
-from wm.errors import DataError
+from wm.atomic import free_space, mib, tmp_path
+from wm.errors import ConfigError, DataError
 from wm.shard_writer import ShardWriter
 from wm.shards import DEFAULT_COMPRESSION, DatasetInfo, Manifest, load_manifest
 from wm.synthetic_road import DT
@@ -189,7 +191,8 @@ def default_cache_dir() -> Path:
 def ensure_synthetic(cfg, grid, log=print) -> Path:
     """The synthetic data set for `cfg` (a SyntheticConfig) and `grid`, generated once into
     <cache>/synthetic-<hash of the settings> and reused after. Generation writes into a temporary
-    folder and renames it, so an interrupted run never leaves a half data set behind."""
+    folder and renames it, so an interrupted run never leaves a half data set behind; it first removes
+    the temporaries of killed generations and refuses a set that would not fit (check_resources)."""
     key = {"train_scenes": cfg.train_scenes, "val_scenes": cfg.val_scenes, "frames": cfg.frames,
            "seed": cfg.seed, "format": cfg.format, "compression": cfg.compression,
            "with_mask": cfg.with_mask, "grid": list(grid), "generator": GENERATOR.get(cfg.style, 1)}
@@ -204,13 +207,17 @@ def ensure_synthetic(cfg, grid, log=print) -> Path:
     except OSError as e:
         raise DataError(f"cannot create the synthetic data cache {base} ({e}); "
                         "set synthetic.cache_dir or $WM_CACHE to a writable folder") from None
+    remove_leftovers(base, log)
+    workers = check_resources(cfg, grid, base, log)
     tmp = tmp_path(path)
     shutil.rmtree(tmp, ignore_errors=True)
     log(f"generating synthetic {cfg.style} scenes ({cfg.train_scenes}+{cfg.val_scenes} scenes x {cfg.frames} "
         f"frames, grid {'x'.join(map(str, grid))}) into {path} (once)")
+    owner = owner_file(tmp)
     try:
+        owner.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
         write_synthetic(tmp, cfg.train_scenes, cfg.val_scenes, cfg.frames, grid, cfg.seed,
-                        cfg.format, cfg.compression, cfg.with_mask, style=cfg.style)
+                        cfg.format, cfg.compression, cfg.with_mask, style=cfg.style, workers=workers)
         try:
             os.replace(tmp, path)
         except OSError:
@@ -222,4 +229,135 @@ def ensure_synthetic(cfg, grid, log=print) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        owner.unlink(missing_ok=True)
     return Path(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# the cache folder: leftovers of killed generations, and what a generation needs
+
+
+# tmp_path() of a synthetic-<hash> folder, and beside it while it is generated its owner file
+_LEFTOVER = re.compile(r"(\.synthetic-[0-9a-f]+\.tmp-(\d+))(\.owner)?")
+
+
+def owner_file(tmp: Path) -> Path:
+    """Beside a folder being generated: {"host", "pid"} of the process generating it."""
+    return tmp.with_name(tmp.name + ".owner")
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host still runs (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_leftovers(base: Path, log=print) -> list[Path]:
+    """Remove the temporary folders of generations killed mid-way (kill -9, out of memory) from the
+    cache folder `base`, one line each: those whose process is gone. One of a live process (a
+    generation in progress) is left, and so is one another host is generating (a shared cache
+    folder), whose process this host cannot see."""
+    removed, host = [], socket.gethostname()
+    try:
+        names = sorted(os.listdir(base))
+    except OSError:
+        return removed
+    temps = {m.group(1): m.group(2) for m in map(_LEFTOVER.fullmatch, names) if m}
+    for name, pid in temps.items():
+        p, owner = base / name, owner_file(base / name)
+        try:
+            who = json.loads(owner.read_text())
+        except (OSError, ValueError):
+            who = {}  # killed before it was written: the name's pid decides
+        if (isinstance(who, dict) and who.get("host", host) != host) or _pid_alive(int(pid)):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            owner.unlink(missing_ok=True)
+        if not p.exists():
+            log(f"removed {p}: left by a synthetic data generation whose process {pid} is gone")
+            removed.append(p)
+    return removed
+
+
+def scene_memory(grid, frames: int, with_mask: bool, style: str) -> int:
+    """Bytes a process generating one scene holds at its peak, as measured with tracemalloc: the
+    scene's arrays, per-column maps of the road (~640 B a column), and for the occ3d and airside masks
+    the sensor's rays (~16 B per column and step, about max(X, Y) steps), plus a quarter."""
+    X, Y, Z = (int(g) for g in grid)
+    rays = 16 * X * Y * max(X, Y) if with_mask and style != "blocks" else 0
+    return (frames * X * Y * Z * (2 if with_mask else 1) + 640 * X * Y + rays) * 5 // 4
+
+
+# HDF5 compression of synthetic scenes, raw bytes per stored byte: 4-6x at the demo's grid, up to 44x
+# at 128x128x16 (more free space); the low end estimates a set, the high one bounds it from below
+RATIO_LOW, RATIO_HIGH = 4, 64
+
+
+def _size(n: float) -> str:
+    for unit, k in (("PiB", 50), ("TiB", 40), ("GiB", 30)):
+        if n >= 2 ** k:
+            return f"{n / 2 ** k:,.1f} {unit}"
+    return mib(n)
+
+
+def memory() -> tuple[int, int]:
+    """(the memory this process may use in all: physical, or the cgroup's limit where lower; what is
+    available now), in bytes."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total, avail = os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
+    with contextlib.suppress(OSError, ValueError, StopIteration):  # free pages plus the reclaimable cache
+        with open("/proc/meminfo") as f:
+            avail = int(next(line for line in f if line.startswith("MemAvailable:")).split()[1]) * 1024
+    for limit, used in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        with contextlib.suppress(OSError, ValueError):  # "max" or no such file: no limit
+            lim = int(Path(limit).read_text())
+            if lim < total:
+                total = lim
+                avail = min(avail, max(0, lim - int(Path(used).read_text())))
+            break
+    return total, min(avail, total)
+
+
+def check_resources(cfg, grid, base: Path, log=print) -> int:
+    """Refuse, before anything is generated, a synthetic data set (a SyntheticConfig and data.grid)
+    whose scenes do not fit this machine's memory or whose shards do not fit the free space of `base`;
+    warn of one that comes close. Returns the generating processes: default_workers, fewer where
+    more scenes at once would not fit the memory available."""
+    voxels = int(np.prod([int(g) for g in grid]))
+    scenes = cfg.train_scenes + cfg.val_scenes
+    scene = cfg.frames * voxels * (2 if cfg.with_mask else 1) + cfg.frames * (16 * 8 + 8)  # + pose, timestamp
+    what = f"{'x'.join(map(str, grid))} with synthetic.frames={cfg.frames}"
+    total, avail = memory()
+    per = scene_memory(grid, cfg.frames, cfg.with_mask, cfg.style)
+    if per > total:
+        raise ConfigError("data.grid", f"{what}: generating one synthetic scene needs about {_size(per)} of host "
+                                       f"memory, this machine has {_size(total)}; lower data.grid or synthetic.frames")
+    # no more processes, each holding a scene, than fit in half of what is available
+    workers = min(default_workers(scenes * cfg.frames * voxels), max(1, avail // (2 * per)))
+    if per * workers > avail / 2:
+        log(f"warning: generating the synthetic scenes ({what}) needs about {_size(per * workers)} of host "
+            f"memory, {_size(avail)} is available now; it may run out (lower data.grid or synthetic.frames)")
+    raw = scenes * scene
+    plain = cfg.format == "memmap" or cfg.compression == "none"
+    least, likely = (raw, raw) if plain else (raw // RATIO_HIGH, raw // RATIO_LOW)
+    free = free_space(base)
+    if free is None:
+        return workers  # no figure to go by: the writes themselves decide
+    sets = f"{what} x {scenes} scenes (synthetic.train_scenes + synthetic.val_scenes)"
+    fix = "lower them, or set synthetic.cache_dir (or $WM_CACHE) to a larger disk"
+    if least > free:
+        raise ConfigError("data.grid", f"{sets} needs {'' if plain else 'at least '}{_size(least)} of disk in "
+                                       f"{base}, which has {_size(free)} free; {fix}")
+    if likely > free / 2:
+        log(f"warning: the synthetic data set ({sets}) needs about {_size(likely)} of disk in {base}, which has "
+            f"{_size(free)} free; {fix} if it runs out")
+    return workers

@@ -42,6 +42,10 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
     key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
     folder = run.dir / "token_cache" / key
     path = folder / "codes.npy"
+    for f in (folder.parent, folder):
+        if f.exists() and not f.is_dir():  # every rank sees it (a shared folder); never removed: a user's file
+            raise WMError(f"{f} is a file, but the world stage keeps its token cache folder there; move the file "
+                          "away (nothing reads it) and rerun")
     why = _token_cache_problem(folder, tok_sha, run.fingerprint, use_mask) if d.is_main else None
     if why and not why.startswith("missing"):
         run.say(f"note: the token cache {why}; encoding the training frames again")

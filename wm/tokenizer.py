@@ -91,8 +91,9 @@ class TokenizerConfig:
                 raise ConfigError("widths", f"every width must be a multiple of 4 (GroupNorm), got {self.widths}")
         if self.widths[-1] % self.attn_heads:
             raise ConfigError("attn_heads", f"must divide the lowest-level width {self.widths[-1]}")
-        if self.codebook_size < 2:
-            raise ConfigError("codebook_size", f"must be >= 2, got {self.codebook_size}")
+        if not 2 <= self.codebook_size <= 1 << 15:  # the token cache stores a code as int16 (wm/token_cache.py)
+            raise ConfigError("codebook_size", f"must be in [2, 32768] (the token cache stores codes as int16), got "
+                              f"{self.codebook_size}")
         for name in ("commitment", "ce_weight", "lovasz_weight", "vq_weight"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):

@@ -24,18 +24,17 @@ from typing import Optional
 
 import torch
 
-from wm import distributed as D
+from wm import distributed as D, memory_plan
 from wm.atomic import write_bytes
 from wm.checkpoint import read_json
 from wm.config import Config, load as load_config, to_dict
-from wm.data import resolve_root
 from wm.datastats import moving_classes
 from wm.errors import WMError
 from wm.evaluate import evaluate_run
 from wm.horizons import print_plan
 from wm.loop import Preempted, Preemption, fit
 from wm.report import final_table, make_summary
-from wm.run import Run, recorded
+from wm.run import Run, data_root, recorded
 from wm.stages import TokenizerStage, WorldStage, check_stages, step_seconds
 
 
@@ -127,7 +126,7 @@ def main(argv=None, stop: Optional[Preemption] = None) -> int:
     quiet = os.environ.get("RANK", "0") != "0"  # torchrun's other ranks: rank 0 says it
     cfg = load_config(args.cfg, args.set, say=(lambda *a, **k: None) if quiet else print)
     if args.horizons is not None and not args.eval_only:  # plan: a window setting that reaches them
-        return print_plan(cfg, args.horizons, resolve_root(cfg))
+        return print_plan(cfg, args.horizons, data_root(cfg))
     stop = Preemption() if stop is None else stop
     if not args.eval_only:  # evaluation keeps the default Ctrl-C: nothing to save
         stop.install()
@@ -143,8 +142,11 @@ def main(argv=None, stop: Optional[Preemption] = None) -> int:
             torch.backends.cudnn.allow_tf32 = True
         if args.eval_only:
             return evaluate_run(cfg, d, device, dtype, args)
+        # before the data is generated: a config this machine cannot hold stops here, in one line
+        plan = memory_plan.start(cfg, d, device, dtype, args.fresh, say=(lambda *a, **k: None) if quiet else print)
         run = Run(cfg, d, fresh=args.fresh, allow_new_data=args.allow_new_data,
                   allow_changed=tuple(k.strip() for k in args.allow_changed.split(",") if k.strip()))
+        run.memory_plan = plan  # the first step's memory line compares with it
         if run.resuming:
             run.say(f"resuming run {run.dir}")
         run.say(f"training: {device_line(cfg, d, device, dtype)}")

@@ -1,0 +1,582 @@
+"""Right-sizing before anything runs: from the config alone, the memory and disk each stage will
+take, checked against this machine before the data is generated, a model compiled or a step taken.
+
+- data: the synthetic generation's arrays (each generating process holds one scene and its
+  generator's temporaries, wm.synthetic.scene_memory) and the data set on disk;
+- a stage on its device: the trained model's weights, its gradients (fp32: autocast keeps the
+  parameters fp32; the captured step holds them in one flat buffer), AdamW's state (two fp32
+  moments and a step count per parameter), the activations of one forward and backward at the
+  per-rank micro-batch, the micro-batches on the device (the captured step's static buffers), and
+  the world stage's frozen tokenizer. (AdamW and the clip add nothing that lasts: fused on CUDA, one
+  parameter at a time on a CPU.) The token cache stays on the host (a memmap);
+- a stage on the host: the loader's batches in flight (workers x prefetch_factor in shared memory,
+  their pinned copies, one being collated per worker), the token cache while it is built, and on a
+  CPU everything above (the device is the host).
+
+Activations are measured, not counted by hand: the stage's loss runs forward and backward on fake
+tensors (FakeTensorMode: shapes, dtypes and strides, no memory, no arithmetic) on the training
+device, under its autocast and with its kernels, while a dispatch mode adds up the storages ops
+create and subtracts them when they are freed. In fp32 on a CPU the meta device does the same
+3-5x faster (its attention is the math path's: an upper bound). The figure is eager mode's; a
+torch.compile'd step usually keeps fewer tensors. Validation (no gradients) is not in it.
+
+    from wm.memory_plan import device_gib
+    device_gib("configs/occworld.json")          # {'tokenizer': ..., 'world': ...} GiB per rank on CUDA
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import resource
+import weakref
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from wm import distributed as D
+from wm.batching import stage_batch
+from wm.ckpt_checks import checkpoint_bytes
+from wm.config import Config, load as load_config, model_options
+from wm.config_init import matches
+from wm.errors import ConfigError, DataError, WMError
+from wm.evaluate import autocast
+from wm.step_graph import use_graphs
+from wm.synthetic import default_workers, memory, scene_memory
+from wm.tokenizer import Tokenizer
+from wm.world import WorldModel
+
+GIB = 2**30
+CLOSE = 0.85  # a plan above this share of what is free is said to be close
+CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to this
+# resident bytes per byte of activations on a CPU (glibc keeps the freed blocks): 1.47-1.55 measured
+# over the demo's first three steps
+CPU_HEAP = 1.5
+
+
+def size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
+@dataclasses.dataclass
+class StagePlan:
+    name: str
+    micro: int  # samples per rank and micro-step
+    accum: int  # micro-steps per optimizer step
+    weights: int  # the trained model's parameters and buffers
+    grads: int
+    optimizer: int
+    activations: Optional[int]  # one step's peak beyond the rest; None: not measured (`error` says why)
+    alt_activations: Optional[int]  # the same with activation checkpointing every `alt_every` blocks
+    alt_every: int
+    batch: int  # micro-batches on the device
+    frozen: int  # the world stage's frozen tokenizer
+    captured: bool  # the step runs captured (wm.step_graph): static batch buffers, flat gradients
+    host: int  # host bytes of the loaders and the token cache, all processes of a rank
+    host_in_process: int  # the part of `host` in the training process itself
+    host_words: str
+    disk: int  # checkpoints (and the token cache) in the run folder
+    error: str = ""
+    heap: float = 1.0  # resident bytes per byte of activations (CPU_HEAP on a CPU)
+
+    @property
+    def state(self) -> int:
+        """What a step holds whatever its batch: weights, gradients, AdamW's state, the frozen tokenizer."""
+        return self.weights + self.grads + self.optimizer + self.frozen
+
+    @property
+    def device(self) -> int:
+        """The stage's peak on its device (on a CPU: resident, with the heap's slack)."""
+        return self.state + int(self.heap * (self.activations or 0)) + self.batch
+
+
+@dataclasses.dataclass
+class Plan:
+    where: str  # the training device: "cuda:0", "cpu"
+    data_words: str
+    data_host: int  # the synthetic generation's peak (rank 0, once; 0 for data.root)
+    data_in_process: bool  # generated by the training process itself (one generating process)
+    stages: dict[str, StagePlan]  # the stages still to run, in their order
+    baseline: int  # this process's resident bytes when planned
+    local_ranks: int  # training processes on this host
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.where == "cpu"
+
+    def host_need(self, name: str) -> int:
+        """Host bytes the loaders of stage `name` add on this host, all its ranks together."""
+        return self.local_ranks * self.stages[name].host
+
+    def expected_peak(self, name: str) -> int:
+        """The process's peak by stage `name`'s first step, as `measured_peak` reads it: on CUDA the
+        device bytes allocated since the start, on a CPU the resident bytes."""
+        names = list(self.stages)
+        ran = names[: names.index(name) + 1]
+        if not self.on_cpu:
+            return max(self.stages[n].device for n in ran)
+        gen = self.data_host if self.data_in_process else 0
+        return self.baseline + max([gen] + [self.stages[n].device + self.stages[n].host_in_process for n in ran])
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring one training step on fake tensors
+
+
+class PeakBytes(TorchDispatchMode):
+    """Bytes of the storages that ops create while it is on, live and at their peak; a storage
+    counts until it is freed. Storages of `known` tensors (alive before) are not counted, nor are
+    outputs that alias an input. Ops whose output size depends on values (bincount, boolean masks)
+    get the largest output they can have. `block`: the allocator's rounding."""
+
+    def __init__(self, known=(), block: int = 1):
+        super().__init__()
+        self.block, self.live, self.peak = block, 0, 0
+        self.known = {t.untyped_storage()._cdata for t in known}
+        self.refs: dict[int, weakref.ref] = {}  # storage -> a reference whose callback frees its bytes
+
+    def _free(self, key: int, n: int) -> None:
+        self.live -= n
+        self.refs.pop(key, None)
+
+    def _count(self, t) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.known or key in self.refs:
+            return
+        n = -(-st.nbytes() // self.block) * self.block
+        self.refs[key] = weakref.ref(st, lambda _, key=key, n=n: self._free(key, n))
+        self.live += n
+        self.peak = max(self.peak, self.live)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            out = func(*args, **kwargs)
+        except (DynamicOutputShapeException, NotImplementedError):  # value-dependent sizes; meta has no bincount
+            out = _largest(func, args, kwargs)
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            self._count(t)
+        return out
+
+
+def _largest(func, args, kwargs):
+    """The largest output of an op whose output size depends on its input's values."""
+    x = args[0]
+    if func is torch.ops.aten.bincount.default:
+        n = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+        if n:  # the callers' ids lie below minlength
+            w = kwargs.get("weights", args[1] if len(args) > 1 else None)
+            return torch.zeros(n, dtype=torch.int64 if w is None else w.dtype, device=x.device)
+    if func is torch.ops.aten.index.Tensor:  # a boolean mask selects at most all it covers
+        shape, dim = [], 0
+        for i in args[1]:
+            if i is not None and i.dtype == torch.bool:
+                shape.append(i.numel())
+                dim += i.dim()
+            else:
+                shape.append(x.shape[dim] if i is None else i.numel())
+                dim += 1
+        return torch.empty(*shape, *x.shape[dim:], dtype=x.dtype, device=x.device)
+    return func(*args, **kwargs)  # raises again
+
+
+def _fake(model: nn.Module, device: torch.device) -> nn.Module:
+    """`model`, built on the meta device, with fake parameters and buffers on `device` (strides kept)."""
+    made: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for group in (mod._parameters, mod._buffers):
+            for k, t in group.items():
+                if t is not None:
+                    if id(t) not in made:
+                        new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                        made[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+                    group[k] = made[id(t)]
+    return model
+
+
+def _model(cfg: Config, name: str, every: Optional[int] = None) -> nn.Module:
+    """The stage's model as it trains (on the meta device), activation-checkpointed every `every` blocks."""
+    opts = model_options(cfg, name)
+    if every is not None:
+        opts["checkpoint_every"] = every
+    with torch.device("meta"):
+        if name == "tokenizer":
+            m = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid), **opts)
+        else:
+            m = WorldModel(cfg.world, cfg.tokenizer.codebook_size, **opts)
+    s = getattr(cfg, f"{name}_stage")
+    for n, p in m.named_parameters():  # <stage>_stage.freeze, as wm.init_from.freeze applies it
+        if any(matches(n, f) for f in s.freeze):
+            p.requires_grad_(False)
+    return m
+
+
+def token_map(cfg: Config) -> tuple[int, int]:
+    """The world model's (h, w) token map as it trains: the tokenizer's, cropped by train.world_crop."""
+    h, w = cfg.data.grid[0] // cfg.tokenizer.downsample, cfg.data.grid[1] // cfg.tokenizer.downsample
+    c = cfg.train.world_crop
+    return (h, w) if not c or c >= max(h, w) else (min(c, h), min(c, w))
+
+
+def batch_shapes(cfg: Config, name: str, n: int, device_side: bool = True) -> dict:
+    """{key: (shape, dtype)} of a batch of `n` samples as the loader makes it (device_side: after
+    WorldStage.prepare's crop)."""
+    if name == "tokenizer":
+        out = {"occ": ((n, 1, *cfg.data.grid), torch.uint8), "motion": ((n, 1, 3), torch.float32)}
+        if cfg.data.use_mask:
+            out["mask"] = out["occ"]
+    else:
+        t = cfg.data.window
+        hw = token_map(cfg) if device_side else (cfg.data.grid[0] // cfg.tokenizer.downsample,
+                                                  cfg.data.grid[1] // cfg.tokenizer.downsample)
+        out = {"codes": ((n, t, *hw), torch.int16), "motion": ((n, t, 3), torch.float32)}
+        if cfg.data.use_mask:
+            out["mask"] = ((n, t, *hw), torch.uint8)
+    out["index"] = ((n,), torch.int64)
+    return out
+
+
+def nbytes(shapes: dict) -> int:
+    return sum(math.prod(s) * torch.empty((), dtype=dt).element_size() for s, dt in shapes.values())
+
+
+def _loss(name: str, model: nn.Module, b: dict) -> dict:
+    # as TokenizerStage.loss and WorldStage.loss call the models
+    if name == "tokenizer":
+        return model(b["occ"][:, 0], mask=b["mask"][:, 0] if "mask" in b else None, logits=False)
+    codes, motion, mask = b["codes"].long(), b["motion"], b.get("mask")
+    return model(codes[:, :-1], motion[:, :-1], codes[:, 1:], motion[:, 1:], None if mask is None else mask[:, 1:])
+
+
+def measure_step(cfg: Config, name: str, micro: int, device: torch.device, dtype,
+                 every: Optional[int] = None) -> int:
+    """Peak bytes that one forward and backward of stage `name` at `micro` samples on `device`
+    under `dtype` autocast holds beyond the weights, gradients, optimizer state and batch."""
+    model = _model(cfg, name, every)
+    # autocast and CUDA's kernels need fake tensors of the device; fp32 on a CPU runs on the meta device
+    fake = device.type != "cpu" or dtype is not None
+    on = device if fake else torch.device("meta")
+    with torch.random.fork_rng(devices=[]), FakeTensorMode() if fake else contextlib.nullcontext():
+        model = (_fake(model, device) if fake else model).train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:  # held throughout, as the captured step's flat buffer and accumulation hold them
+            p.grad = torch.zeros_like(p)
+        batch = {k: torch.zeros(shape, dtype=dt, device=on) for k, (shape, dt) in batch_shapes(cfg, name, micro).items()}
+        held = [*model.parameters(), *model.buffers(), *(p.grad for p in params), *batch.values()]
+        with PeakBytes(held, CUDA_BLOCK if device.type == "cuda" else 1) as peak:
+            with autocast(device, dtype):
+                out = _loss(name, model, batch)
+            out["loss"].backward()
+        return peak.peak
+
+
+def _tensor_bytes(tensors, block: int) -> int:
+    return sum(-(-t.numel() * t.element_size() // block) * block for t in tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan
+
+
+def _synthetic(cfg: Config) -> tuple[str, int, bool, int]:
+    """(words, generation's host peak, whether this process generates, shards) of the built-in
+    data set (wm/synthetic.py: one scene per generating process, shards of 8 scenes)."""
+    sc, vox = cfg.synthetic, math.prod(cfg.data.grid)
+    scenes = sc.train_scenes + sc.val_scenes
+    per_frame = vox * (2 if sc.with_mask else 1)
+    scene = sc.frames * per_frame
+    procs = min(default_workers(scenes * sc.frames * vox), scenes)
+    peak = scene_memory(cfg.data.grid, sc.frames, sc.with_mask, sc.style)
+    # several processes: each holds its scene, and the writing parent one received (pickle and arrays)
+    host = int(peak if procs == 1 else procs * peak + 2 * scene)
+    disk = scenes * sc.frames * (per_frame + 16 * 8 + 8)  # + pose (4x4 float64) and timestamp (int64)
+    kind = "memmap" if sc.format == "memmap" else f"hdf5 {sc.compression}" + ("" if sc.compression == "none" else ", at most")
+    words = (f"synthetic {sc.style} {sc.train_scenes}+{sc.val_scenes} scenes x {sc.frames} frames at "
+             f"{'x'.join(map(str, cfg.data.grid))}: {size(disk)} on disk ({kind}); generating them (once, then "
+             f"cached) {size(host)} of host memory ({procs} process{'es' if procs != 1 else ''})")
+    return words, host, procs == 1, -(-sc.train_scenes // 8) + -(-sc.val_scenes // 8)
+
+
+def _dataset(cfg: Config) -> tuple[str, int, bool, int, int]:
+    """(words, generation's host peak, in this process, shards, training frames)."""
+    if not cfg.data.root:
+        return *_synthetic(cfg), cfg.synthetic.train_scenes * cfg.synthetic.frames
+    from wm.shards import load_manifest
+
+    try:
+        m = load_manifest(Path(cfg.data.root).expanduser())
+        frames = sum(int(s["frames"]) for s in m.shards if s["split"] == cfg.data.train_split)
+        have = sum(int(s.get("bytes", 0)) for s in m.shards)
+        return f"data.root {cfg.data.root}: {size(have)} on disk", 0, False, len(m.shards), frames
+    except (DataError, KeyError, TypeError, ValueError):  # the run itself says what is wrong with it
+        return f"data.root {cfg.data.root}: not readable (yet)", 0, False, 0, 0
+
+
+def _host(cfg: Config, name: str, device: torch.device, micro: int, shards: int,
+          frames: int) -> tuple[int, int, str]:
+    """(host bytes, of them in the training process, words) of a stage's loaders and token cache."""
+    ld = cfg.loader
+    one = nbytes(batch_shapes(cfg, name, micro, device_side=False))
+    workers = ld.num_workers
+    flight = workers * ld.prefetch_factor if workers else 1
+    pinned = flight * one if ld.pin_memory and device.type == "cuda" else 0
+    h5 = workers * shards * (2 if cfg.data.use_mask else 1) * int(ld.h5_cache_mib * 2**20)  # chunk caches
+    host = flight * one + pinned + workers * one + (h5 if name == "tokenizer" else 0)
+    words = (f"loader {workers} worker{'s' if workers != 1 else ''} x {ld.prefetch_factor} batches of {size(one)}"
+             if workers else f"loader batches of {size(one)}") + (" + pinned copies" if pinned else "")
+    here = 2 * one  # the batch in use and the one the last step's result keeps
+    if name == "world":  # the token cache is encoded into memory, then written
+        h, w = cfg.data.grid[0] // cfg.tokenizer.downsample, cfg.data.grid[1] // cfg.tokenizer.downsample
+        cache = frames * h * w * (3 if cfg.data.use_mask else 2)
+        enc = max(8, cfg.data.batch_size) * nbytes(batch_shapes(cfg, "tokenizer", 1, device_side=False))
+        host += cache + enc * (2 * workers + 1)
+        here += cache
+        words += f"; token cache {size(cache)} (built in memory, then a memmap)"
+    return host, here, words
+
+
+def stage_plan(cfg: Config, name: str, world_size: int, device: torch.device, dtype,
+               shards: int = 0, frames: int = 0) -> StagePlan:
+    """Stage `name`'s plan on `world_size` ranks training on `device` under `dtype` autocast."""
+    b = stage_batch(cfg, name, world_size)
+    block = CUDA_BLOCK if device.type == "cuda" else 1
+    model = _model(cfg, name)
+    weights = _tensor_bytes([*model.parameters(), *model.buffers()], block)
+    grads = _tensor_bytes([p for p in model.parameters() if p.requires_grad], block)
+    frozen = 0
+    if name == "world":
+        tok = _model(cfg, "tokenizer")
+        frozen = _tensor_bytes([*tok.parameters(), *tok.buffers()], block)
+    every = getattr(cfg.activation_checkpoint, f"{name}_every")
+    # AdamW's two moments as the parameters (fp32), and its step count: on the device when fused
+    optimizer = 2 * grads + sum(p.requires_grad for p in model.parameters()) * (block if device.type == "cuda" else 4)
+    act = alt = None
+    error = ""
+    try:
+        act = measure_step(cfg, name, b.micro, device, dtype)
+        alt = measure_step(cfg, name, b.micro, device, dtype, every=0 if every else 1)
+    except Exception as e:  # noqa: BLE001 - an op fake tensors cannot run leaves out the figure, not the run
+        error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+    captured = device.type == "cuda" and use_graphs(cfg, device, dtype, say=lambda *a, **k: None)
+    batch = nbytes(batch_shapes(cfg, name, b.micro)) * (b.accum if captured else 2)
+    host, here, words = _host(cfg, name, device, b.micro, shards, frames)
+    disk = (cfg.checkpoint.keep_last + 1) * checkpoint_bytes(model)
+    if name == "world":
+        h, w = cfg.data.grid[0] // cfg.tokenizer.downsample, cfg.data.grid[1] // cfg.tokenizer.downsample
+        disk += frames * h * w * (3 if cfg.data.use_mask else 2)
+    return StagePlan(name, b.micro, b.accum, weights, grads, optimizer, act, alt, 0 if every else 1, batch, frozen,
+                     captured, host, here, words, disk, error, CPU_HEAP if device.type == "cpu" else 1.0)
+
+
+def resident_bytes() -> int:
+    """This process's resident bytes now (VmRSS), else its peak so far."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def plan(cfg: Config, world_size: int = 1, device: Optional[torch.device] = None, dtype=None,
+         todo: Optional[tuple[str, ...]] = None) -> Plan:
+    """The memory plan of a run of `cfg` on `world_size` ranks, training on `device` (default: CUDA
+    where present) under `dtype` autocast; `todo`: the stages still to run (default: all)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    words, host, here, shards, frames = _dataset(cfg)
+    todo = cfg.train.stages if todo is None else todo
+    stages = {n: stage_plan(cfg, n, world_size, device, dtype, shards, frames) for n in cfg.train.stages if n in todo}
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return Plan(str(device), words, host, here, stages, resident_bytes(), local)
+
+
+# ---------------------------------------------------------------------------------------------
+# what this machine has, the lines, the checks
+
+
+def host_free() -> Optional[int]:
+    """Bytes of host memory free for this process: MemAvailable, within a cgroup's (container's) limit."""
+    try:
+        return memory()[1]
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def device_free(where: str) -> Optional[int]:
+    """Bytes free on CUDA device `where` (torch.cuda.mem_get_info); None for a CPU."""
+    if not where.startswith("cuda"):
+        return None
+    return torch.cuda.mem_get_info(torch.device(where))[0]
+
+
+def stage_line(p: Plan, name: str) -> str:
+    s = p.stages[name]
+    ck = f"activation_checkpoint.{name}_every"
+    if s.activations is None:
+        act = f"activations not measured ({s.error})"
+    else:
+        alt = "" if s.alt_activations is None else f"; {size(s.alt_activations)} with {ck}={s.alt_every}"
+        act = (f"activations {size(s.activations)} (micro-batch {s.micro} x {s.accum} a step{alt})" +
+               (f" + {size((s.heap - 1) * s.activations)} the heap keeps" if s.heap != 1 else ""))
+    parts = [f"weights {size(s.weights)}", f"grads {size(s.grads)}" + (" (one flat fp32 buffer)" if s.captured else ""),
+             f"AdamW {size(s.optimizer)}", act,
+             f"batches {size(s.batch)}" + (" (the captured step's static buffers)" if s.captured else "")]
+    if s.frozen:
+        parts.insert(0, f"frozen tokenizer {size(s.frozen)}")
+    return (f"memory plan: {name} on {p.where}: {size(s.device)} = {' + '.join(parts)}; host "
+            f"{'+' if not p.on_cpu else 'beside it +'}{size(s.host)} ({s.host_words}); disk {size(s.disk)} in the run folder")
+
+
+def lines(p: Plan) -> list[str]:
+    """The plan as the log's lines: the data, then one line per stage."""
+    free = host_free()
+    host = f"host {size(free)} free" if free is not None else "host memory unknown"
+    dev = device_free(p.where)
+    here = f"{host}, {p.where} {size(dev)} free" if dev is not None else host
+    ranks = f", {p.local_ranks} ranks on this host" if p.local_ranks > 1 else ""
+    return [f"memory plan: data: {p.data_words}; {here}{ranks}"] + [stage_line(p, n) for n in p.stages]
+
+
+def _per_sample(s: StagePlan, activations: int) -> tuple[int, int]:
+    """(activation bytes with the heap's slack, batch bytes) per sample of the micro-batch: a smaller
+    one takes about its share."""
+    return -(-int(s.heap * activations) // s.micro), -(-s.batch // s.micro)
+
+
+def _fix(cfg: Config, s: StagePlan, cap: int) -> tuple[str, str]:
+    """(key, what to set) for a stage that needs more than `cap` bytes."""
+    name, ck = s.name, f"activation_checkpoint.{s.name}_every"
+    if s.state >= cap:
+        return f"{name}.widths", f"its weights, gradients and AdamW state alone take {size(s.state)}: a smaller model"
+    glob = getattr(cfg, f"{name}_stage").global_batch
+    per_rank = s.micro * s.accum
+    options = [(s.activations, "")]
+    if s.alt_activations is not None and s.alt_every:
+        if s.state + int(s.heap * s.alt_activations) + s.batch <= cap:
+            return ck, (f"set {ck}={s.alt_every} ({size(s.alt_activations)} of activations instead of "
+                        f"{size(s.activations)})")
+        options.append((s.alt_activations, f"{ck}={s.alt_every}"))
+    for act, ckpt in options:
+        a1, b1 = _per_sample(s, act)
+        fits = [m for m in range(s.micro - 1, 0, -1) if (not glob or per_rank % m == 0)
+                and s.state + m * (a1 + b1) <= cap]
+        if fits:
+            m, key = fits[0], f"{name}_stage.batch_size"
+            how = (f"micro-batches of {m}, accumulated to the {glob} samples of {name}_stage.global_batch" if glob else
+                   f"with {name}_stage.grad_accum={-(-per_rank // m)} for about the same samples a step")
+            return key, f"set {key}={m} ({how})" + (f" and {ckpt}" if ckpt else "")
+    a1 = _per_sample(s, min(x for x, _ in options))[0]
+    if name == "world":
+        return "train.world_crop", (f"one window alone takes {size(a1)} of activations: train on crops of the token "
+                                    f"map ({token_map(cfg)[0]} cells a side now), or a smaller data.grid")
+    return "data.grid", f"one frame alone takes {size(a1)} of activations: a smaller data.grid"
+
+
+def check(cfg: Config, p: Plan, host: Optional[int] = None, device: Optional[int] = None) -> list[str]:
+    """Refuse (ConfigError naming the key to change) a run that cannot fit this machine: `host` and
+    `device` bytes free (default: what there is now). Returns a warning for each stage that comes
+    within CLOSE of it."""
+    host = host_free() if host is None else host
+    device = device_free(p.where) if device is None else device
+    warnings = []
+    if host is not None and p.data_host > host:
+        raise ConfigError("data.grid", f"generating the synthetic data set needs {size(p.data_host)} of host memory, "
+                          f"{size(host)} is free ({p.data_words}); a smaller data.grid or fewer synthetic.frames")
+    for name, s in p.stages.items():
+        cap, where = (device, p.where) if not p.on_cpu else (None if host is None else host // p.local_ranks, "this host")
+        if p.on_cpu:  # the host holds the loaders' batches too, which shrink with the micro-batch as well
+            s = dataclasses.replace(s, batch=s.batch + s.host)
+        if cap is not None and s.activations is not None:
+            if s.device > cap:
+                key, what = _fix(cfg, s, cap)
+                raise ConfigError(key, f"the {name} stage needs {size(s.device)} on {where} per rank, "
+                                  f"{size(cap)} is free; {what}")
+            if s.device > CLOSE * cap:
+                key, what = _fix(cfg, s, int(CLOSE * cap))
+                warnings.append(f"memory plan: warning: the {name} stage needs {size(s.device)} of the "
+                                f"{size(cap)} free on {where} ({100 * s.device / cap:.0f} %): close; to leave room, "
+                                f"{key}: {what}")
+        need = p.host_need(name) if not p.on_cpu else 0
+        if host is not None and need > host:
+            ld = cfg.loader
+            key = "loader.prefetch_factor" if ld.prefetch_factor > 1 else "loader.num_workers"
+            raise ConfigError(key, f"the {name} stage's loaders need {size(need)} of host memory, {size(host)} is free "
+                              f"({s.host_words}); fewer batches in flight ({key})")
+        if host is not None and need > CLOSE * host:
+            warnings.append(f"memory plan: warning: the {name} stage's loaders need {size(need)} of the {size(host)} "
+                            "of host memory free: close")
+    return warnings
+
+
+def start(cfg: Config, d: D.Dist, device: torch.device, dtype, fresh: bool = False, say=print) -> Plan:
+    """train.py's check before anything runs: plan, say it (rank 0), warn, and refuse on every rank
+    what does not fit any rank's machine."""
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    todo = tuple(n for n in cfg.train.stages if fresh or not (run_dir / n / "done.json").is_file())
+    p = plan(cfg, d.world_size, device, dtype, todo)
+    for line in lines(p):
+        say(line)
+    refused = None
+    try:
+        for w in check(cfg, p):
+            say(w)
+    except ConfigError as e:
+        refused = e
+    theirs = next((m for m in D.gather_objects(None if refused is None else str(refused), d) if m), None)
+    if refused is not None:
+        raise refused
+    if theirs is not None:  # another rank's machine cannot hold it
+        raise WMError(theirs)
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# after the first step: the estimate against what it took
+
+
+def measured_peak(device: torch.device) -> tuple[int, str]:
+    """(bytes, how): the device's peak allocation on CUDA, the process's peak resident size on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "peak RSS"
+
+
+def first_step_line(p: Optional[Plan], name: str, device: torch.device) -> str:
+    got, how = measured_peak(device)
+    if p is None or name not in p.stages:
+        return f"{name}: memory after the first step {size(got)} ({how})"
+    want = p.expected_peak(name)
+    return (f"{name}: memory after the first step {size(got)} measured ({how}), {size(want)} estimated "
+            f"({100 * (got - want) / max(want, 1):+.0f} %)")
+
+
+def memory_scalars(p: Optional[Plan], name: str, device: torch.device) -> dict:
+    """metrics.jsonl's memory figures of a log step: the peak so far, and the plan's estimate of it."""
+    got, _ = measured_peak(device)
+    out = {"mem/peak_gib" if device.type != "cuda" else "mem/max_alloc_gib": got / GIB}
+    if p is not None and name in p.stages:
+        out["mem/estimate_gib"] = p.expected_peak(name) / GIB
+    return out
+
+
+def device_gib(cfg, world_size: int = 1, device: Optional[str] = None, overrides=()) -> dict[str, float]:
+    """Each stage's estimated peak on its device, GiB per rank: `cfg` a Config or a config file (with
+    --set style `overrides`), on `world_size` ranks, on `device` (default CUDA where present) in the
+    precision train.amp gives it there (auto: bf16 on CUDA, fp32 on a CPU)."""
+    cfg = cfg if isinstance(cfg, Config) else load_config(cfg, list(overrides), say=lambda *a, **k: None)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    amp = cfg.train.amp if cfg.train.amp != "auto" else ("bf16" if dev.type == "cuda" else "fp32")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[amp]
+    return {n: round(s.device / GIB, 3) for n, s in plan(cfg, world_size, dev, dtype).stages.items()}
