@@ -114,6 +114,15 @@ def export(argv, progress: dict) -> int:
                     help="with the torch engine: the INT8 report's onnxruntime rollouts (about 2 GiB each at "
                          "the occworld size) run side by side only as far as this much host memory allows "
                          "beside the export's own")
+    ap.add_argument("--aoti", action="store_true",
+                    help="also compile the whole forecast ahead of time for this machine (AOTInductor, "
+                         "wm/export/aoti.py): a .pt2 package that Forecaster.from_run(run, aoti=True) loads in "
+                         "seconds, compiling and tuning nothing")
+    ap.add_argument("--aoti-batch", type=int, default=1, help="windows per forecast of the AOTInductor package")
+    ap.add_argument("--aoti-dtype", choices=("fp32", "bf16", "fp16"),
+                    help="autocast of the AOTInductor package (default: bf16 on a GPU, fp32 on a CPU)")
+    ap.add_argument("--aoti-motion", choices=("given", "predicted"),
+                    help="the package's future ego motion (default: as the run evaluates, train.forecast_motion)")
     ap.add_argument("--trt-version", default="10.3.0", help="TensorRT version in the calibration cache header")
     ap.add_argument("--no-trt", action="store_true",
                     help="skip the TensorRT step (by default: engines where TensorRT and a GPU are "
@@ -130,10 +139,19 @@ def export(argv, progress: dict) -> int:
     # FP32 means FP32 on the GPU too (the reference every drop is measured against): no TF32
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
+    a.run, a.runs, a.ckpt, a.out = (v and os.path.expanduser(v) for v in (a.run, a.runs, a.ckpt, a.out))  # a quoted ~
     run = Path(a.run) if a.run else find_run(a.runs)
+    if a.ckpt:  # the checks the run's own checkpoints get (but its stage, said below): load_trained reads a wm state
+        from wm.checkpoint import load_checked
+        from wm.ckpt_checks import EVAL_KEYS, problem
+
+        load_checked(a.ckpt, check=lambda p, st: problem(st, st.get("stage") if isinstance(st.get("stage"), str)
+                                                         else "world", model="own", keys=EVAL_KEYS))
     t = load_trained(run, a.ckpt)
     if a.batch < 1:
         raise WMError(f"--batch must be >= 1, got {a.batch}")
+    if a.aoti and a.aoti_batch < 1:
+        raise WMError(f"--aoti-batch must be >= 1, got {a.aoti_batch}")
     if not a.host_memory_gib > 0:
         raise WMError(f"--host-memory-gib must be > 0 (GiB of host memory for the INT8 report), "
                       f"got {a.host_memory_gib}")
@@ -238,6 +256,20 @@ def export(argv, progress: dict) -> int:
                                     dims=world_profile(c), max_batches={"world_step": top})
         secs["tensorrt"] = round(time.perf_counter() - t0, 2)
         peaks.mark("tensorrt")
+    if a.aoti:
+        from wm.export.aoti import build
+
+        progress["phase"] = "the AOTInductor compile"
+        t0 = time.perf_counter()
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = a.aoti_dtype or ("bf16" if device.type == "cuda" else "fp32")
+        given = None if a.aoti_motion is None else a.aoti_motion == "given"
+        report["aoti"] = r = build(t, out, device, dtype, a.aoti_batch, given=given)
+        print(f"{r['file']}  {r['bytes'] / 2**20:.1f} MiB  traced {r['export_s']:.1f} s, compiled {r['compile_s']:.1f} s, "
+              f"loads in {r['load_s']:.2f} s; agree {r['class_agreement']:.4f} with PyTorch")
+        progress["done"].append(r["file"])
+        secs["aoti"] = round(time.perf_counter() - t0, 2)
+        peaks.mark("aoti")
     secs["total"] = round(time.perf_counter() - t_start, 2)
     report["memory"] = peak_memory(peaks)
     write_bytes(out / "export.json", json.dumps(report, indent=1))

@@ -181,3 +181,17 @@ def test_a_compiled_forecaster_keeps_its_compile_cache_in_the_run(ev, tmp_path, 
     calls.clear()
     Forecaster.from_run(run)(occ[:1, :P], poses[:1, :P])
     assert calls == []
+
+
+def test_inductor_options_are_the_modes_plus_the_given_ones(ev, monkeypatch):
+    from torch._inductor import list_mode_options
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    t = load_trained(ev.run)
+    Forecaster(t.cfg, t.tokenizer, t.world, compile="max-autotune-no-cudagraphs", inductor={"coordinate_descent_tuning": True})
+    want = {**list_mode_options("max-autotune-no-cudagraphs"), "coordinate_descent_tuning": True}
+    assert seen == [{"dynamic": False, "options": want}] * 3  # encode, world step, decode
+    seen.clear()
+    Forecaster(t.cfg, t.tokenizer, t.world, compile="default")
+    assert seen == [{"dynamic": False, "mode": "default"}] * 3

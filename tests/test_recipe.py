@@ -254,3 +254,88 @@ def test_a_compiled_stage_logs_its_first_step_and_where_the_seconds_went(tiny, m
     assert len(first) == 1 and first[0]["perf/first_step_s"] > 0 and first[0]["perf/compile_cache_hit"] == 0.0
     times = (tiny.run_dir() / "tokenizer" / "compile_times.txt").read_text()
     assert "OutputGraph.call_user_compiler" in times  # Dynamo's hand-over to the backend, timed
+    assert re.search(r"^cache counters:\n  stats\.unique_graphs 1$", times, re.M), times  # what the caches did
+
+
+class _Cfg:
+    def __init__(self, block):
+        self.block, self.found_by_coordesc = block, False
+
+
+class _Result:
+    def __init__(self, block):
+        self.config = _Cfg(block)
+
+
+class _Kernel:
+    """What tuned_recheck reads and writes of torch's CachingAutotuner: the reloaded compile
+    results, its source function, and how it compiles one more config."""
+
+    def __init__(self, blocks, fn=None):
+        self.compile_results = [_Result(b) for b in blocks]
+        self.filename, self.inductor_meta, self.fn = "k.py", {"coordinate_descent_tuning": True}, type("F", (), {"fn": fn})()
+        self.compiled = []
+
+    def _precompile_config(self, cfg):
+        self.compiled.append(cfg.block)
+        r = _Result(cfg.block)
+        r.config = cfg
+        return r
+
+
+def _tuned(block, by_coordesc=True):
+    c = _Cfg(block)
+    c.found_by_coordesc = by_coordesc
+    return c
+
+
+@pytest.mark.parametrize("blocks", [[64], [32, 64, 128]])
+def test_a_reloaded_kernel_keeps_its_cached_tuning(blocks):
+    from wm.compile_cache import tuned_recheck
+
+    buggy = lambda self, reload: None  # torch's recheck as 2.11 has it for one config: nothing marked
+    asked = []
+    check = lambda configs, f, meta: (asked.append([c.block for c in configs]) or [_tuned(64)], None, {})
+    k = _Kernel(blocks)
+    tuned_recheck(buggy, check, lambda c: c.block)(k, reload_kernel_from_src=None)
+    assert asked == [blocks]  # asked about the configs the kernel was reloaded with
+    assert [r.config.block for r in k.compile_results] == [64] and k.compile_results[0].config.found_by_coordesc
+    assert k.compiled == []  # the tuned config was among the reloaded ones: nothing compiles
+
+
+def test_a_tuned_config_not_reloaded_is_compiled_once_and_marked():
+    from wm.compile_cache import tuned_recheck
+
+    reloaded = []
+    k = _Kernel([16], fn=None)
+    reload = lambda: reloaded.append(1) or type("K", (), {"fn": "source"})()
+    tuned_recheck(lambda self, r: None, lambda c, f, m: ([_tuned(256)], None, {}), lambda c: c.block)(k, reload)
+    assert k.compiled == [256] and reloaded == [1] and k.fn == "source"
+    assert [r.config.block for r in k.compile_results] == [256] and k.compile_results[0].config.found_by_coordesc
+
+
+def test_an_untuned_or_missing_cache_entry_leaves_the_kernel_as_torch_left_it():
+    from wm.compile_cache import tuned_recheck
+
+    for cached in ([], [_tuned(64, by_coordesc=False)]):
+        k = _Kernel([32, 64])
+        tuned_recheck(lambda self, r: None, lambda c, f, m: (cached, None, {}), lambda c: c.block)(k, None)
+        assert [r.config.block for r in k.compile_results] == [32, 64] and k.compiled == []
+        assert not any(r.config.found_by_coordesc for r in k.compile_results)
+
+
+def test_the_tuning_patch_is_applied_only_to_a_torch_that_needs_it():
+    import inspect
+
+    from torch._inductor.runtime import triton_heuristics as th
+    from wm.compile_cache import fixes_tuning_reload, keep_tuned_configs
+
+    assert fixes_tuning_reload("    compile_result.config.found_by_coordesc = found_by_coordesc\n")
+    assert not fixes_tuning_reload("    if len(cached_configs) == 1 and len(configs) > 1:\n")
+    before = th.CachingAutotuner.recheck_autotune_cache
+    try:
+        patched = keep_tuned_configs()
+        assert patched == (not fixes_tuning_reload(inspect.getsource(before)))
+        assert keep_tuned_configs() is False  # once is enough
+    finally:
+        th.CachingAutotuner.recheck_autotune_cache = before

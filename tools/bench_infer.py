@@ -9,11 +9,16 @@ One forecast: the past frames (data.past) encoded, the world model rolled over t
 future frames, the codes decoded and the argmax taken; inputs are past occupancy (uint8, already on
 the device) and 4x4 poses (numpy), the future ego motion given. Rows (--modes):
 
-- fp32, bf16, bf16-compile, bf16-cudagraphs, bf16-graph, bf16-compile-graph: PyTorch through
+- fp32, bf16, bf16-compile, bf16-cudagraphs, bf16-graph, bf16-compile-graph,
+  bf16-compile-tuned-graph (Inductor's coordinate-descent tuning and NHWC layouts, as the
+  tokenizer trains): PyTorch through
   wm.Forecaster (the world model's key/value cache; bf16 = autocast; compile = torch.compile of
   encode, world step and decode; cudagraphs = torch.compile mode "reduce-overhead"; graph = the
   whole forecast recorded as one CUDA graph, Forecaster(cuda_graph=True): its phases are one,
   "forecast"), on --device;
+- fp32-aoti, bf16-aoti, bf16-aoti-graph: the whole forecast compiled ahead of time (export.py
+  --aoti's package, wm/export/aoti.py, built here at batch 1 into a temporary folder; the row holds
+  its trace, compile and load seconds) run by Forecaster(aoti_dir=...), with graph as one CUDA graph;
 - ort-fp32, ort-fp16, ort-int8: onnxruntime on the CPU, the exported graphs (--export folder:
   export.py's files; without one the FP32 and FP16 graphs are exported to a temporary folder, INT8
   needs export.py --int8) run by the deployed host loop wm.export.forecast.forecast (its step graph
@@ -51,10 +56,15 @@ from wm.errors import WMError, first_line, run_cli  # noqa: E402
 
 TORCH_MODES = {"fp32": ("fp32", None, False), "bf16": ("bf16", None, False),
                "bf16-compile": ("bf16", "default", False), "bf16-cudagraphs": ("bf16", "reduce-overhead", False),
-               "bf16-graph": ("bf16", None, True), "bf16-compile-graph": ("bf16", "default", True)}
+               "bf16-graph": ("bf16", None, True), "bf16-compile-graph": ("bf16", "default", True),
+               "bf16-compile-tuned-graph": ("bf16", "default", True)}
+# Inductor options of a tuned row: the training tokenizer's (compile.tokenizer_tuning, tokenizer_channels_last)
+TUNED = {"bf16-compile-tuned-graph": {"coordinate_descent_tuning": True, "force_layout_optimization": True}}
+# the whole forecast compiled ahead of time (wm/export/aoti.py) at batch 1: (dtype, one CUDA graph)
+AOTI_MODES = {"fp32-aoti": ("fp32", False), "bf16-aoti": ("bf16", False), "bf16-aoti-graph": ("bf16", True)}
 ORT_MODES = {"ort-fp32": "", "ort-fp16": ".fp16", "ort-int8": ".int8-ort"}  # onnxruntime's INT8 copy
 OCCWORLD_MODES = {"occworld-fp32": "fp32", "occworld-bf16": "bf16"}
-ALL_MODES = (*TORCH_MODES, *ORT_MODES, *OCCWORLD_MODES)
+ALL_MODES = (*TORCH_MODES, *AOTI_MODES, *ORT_MODES, *OCCWORLD_MODES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,7 +245,7 @@ def torch_rows(a, cfg, tok, world, device, modes, done, say) -> None:
         if graph and device.type != "cuda":
             done({"mode": mode, "engine": "pytorch CUDA graph", "status": "skipped: CUDA graphs need a GPU"})
             continue
-        f = Forecaster(cfg, tok, world, device, dtype, compile_mode, cuda_graph=graph)
+        f = Forecaster(cfg, tok, world, device, dtype, compile_mode, cuda_graph=graph, inductor=TUNED.get(mode))
         given = cfg.train.forecast_motion == "given"
 
         def make(b, f=f):
@@ -245,10 +255,42 @@ def torch_rows(a, cfg, tok, world, device, modes, done, say) -> None:
             return lambda mark: f(occ, past, future_poses=fut, on_phase=mark)
 
         engine = f"pytorch {device.type} {dtype}" + (f", torch.compile {compile_mode}" if compile_mode else "") \
+            + (", tuned kernels" if mode in TUNED else "") \
             + (", one CUDA graph" if graph else "")
         batches = a.compile_batches if compile_mode else a.batches
         done(guarded(mode, engine, lambda: sweep(mode, make, batches, Clock(device.type == "cuda"), a.iters,
                                                  a.warmup, say), say))
+
+
+def aoti_rows(a, cfg, tok, world, device, done, say) -> None:
+    """Each AOTInductor mode: the package built for batch 1 (its trace, compile and load seconds in
+    the row), then timed through Forecaster(aoti_dir=...) as a deployment runs it."""
+    from types import SimpleNamespace
+
+    from wm.export.aoti import build
+    from wm.forecaster import Forecaster
+
+    given = cfg.train.forecast_motion == "given"
+    for mode in [m for m in a.modes if m in AOTI_MODES]:
+        dtype, graph = AOTI_MODES[mode]
+        if graph and device.type != "cuda":
+            done({"mode": mode, "engine": "AOTInductor, one CUDA graph", "status": "skipped: CUDA graphs need a GPU"})
+            continue
+        engine = f"AOTInductor package {device.type} {dtype}" + (", one CUDA graph" if graph else "")
+
+        def row(dtype=dtype, graph=graph, mode=mode):
+            with tempfile.TemporaryDirectory(prefix="bench_infer_aoti_") as folder:
+                trained = SimpleNamespace(cfg=cfg, tokenizer=tok, world=world, ckpt=None, tokenizer_ckpt=None)
+                built = build(trained, Path(folder), device, dtype, batch=1, given=given, say=say)
+                f = Forecaster(cfg, tok, world, device, dtype, cuda_graph=graph, aoti_dir=Path(folder))
+                occ = past_occupancy(cfg, 1, device)
+                poses = straight_poses(1, cfg.data.past + cfg.data.future)
+                past, fut = poses[:, :cfg.data.past], poses[:, cfg.data.past:] if given else None
+                r = sweep(mode, lambda b: (lambda mark: f(occ, past, future_poses=fut, on_phase=mark)), [1],
+                          Clock(device.type == "cuda"), a.iters, a.warmup, say)
+                return {**r, "aoti": built}
+
+        done(guarded(mode, engine, row, say))
 
 
 def ort_rows(a, cfg, tok, world, done, say) -> dict:
@@ -495,6 +537,7 @@ def main(argv=None) -> int:
     torch_rows(a, cfg, tok, world, device, [m for m in a.modes if TORCH_MODES.get(m, (0, 1, 0))[1] is None], done, say)
     rep["occworld"] = occworld_rows(a, device, done, say)
     torch_rows(a, cfg, tok, world, device, [m for m in a.modes if TORCH_MODES.get(m, (0, None, 0))[1]], done, say)
+    aoti_rows(a, cfg, tok, world, device, done, say)
     rep["onnx"] = ort_rows(a, cfg, tok, world, done, say)
     save()
     print(table(rep))

@@ -50,6 +50,12 @@ def describe(key: dict) -> str:
             f"{', Triton ' + key['triton'] if key.get('triton') else ''}{', CUDA ' + key['cuda'] if key.get('cuda') else ''}")
 
 
+def prepare() -> None:
+    """Set torch's caches up for what a run folder's artifacts hold, before anything compiles."""
+    allow_custom_functions()
+    keep_tuned_configs()
+
+
 def allow_custom_functions() -> None:
     """Our autograd.Functions inside the compiled region (the class embedding, the fused head) are
     pure functions of their inputs; without this AOTAutograd's cache skips every graph holding one."""
@@ -61,11 +67,62 @@ def allow_custom_functions() -> None:
         pass
 
 
+def fixes_tuning_reload(source: str) -> bool:
+    """Whether torch's recheck_autotune_cache (its source) marks a kernel reloaded from the FX
+    graph cache as already tuned when the autotune cache holds its coordinate-descent result."""
+    return "compile_result.config.found_by_coordesc" in source
+
+
+def keep_tuned_configs() -> bool:
+    """Torch releases with pytorch/pytorch#172819 (2.11 among them) reload a cached kernel without
+    its coordinate-descent mark and tune it again, which is most of a cached resume's first step.
+    Where the installed torch has that bug, its recheck is followed by ours (`tuned_recheck`).
+    Returns whether it patched."""
+    import inspect
+
+    try:
+        from torch._inductor.runtime import triton_heuristics as th
+
+        recheck = th.CachingAutotuner.recheck_autotune_cache
+        if getattr(recheck, "keeps_tuning", False) or fixes_tuning_reload(inspect.getsource(recheck)):
+            return False
+    except (ImportError, AttributeError, OSError, TypeError):  # another torch: leave it as it is
+        return False
+    th.CachingAutotuner.recheck_autotune_cache = tuned_recheck(recheck, th.check_autotune_cache,
+                                                               th.triton_config_to_hashable)
+    return True
+
+
+def tuned_recheck(recheck, check_autotune_cache, hashable):
+    """`recheck` (torch's, on a kernel reloaded from the FX graph cache), then: if the autotune
+    cache holds a coordinate-descent result for the kernel's configs, the kernel runs that config
+    marked as tuned (compiled now if it was not among the reloaded ones), so it is not tuned again."""
+
+    def run(self, reload_kernel_from_src):
+        configs = [r.config for r in self.compile_results]
+        recheck(self, reload_kernel_from_src)
+        cached, _, _ = check_autotune_cache(configs, self.filename, self.inductor_meta)
+        if len(cached) != 1 or not getattr(cached[0], "found_by_coordesc", False):
+            return
+        best, want = cached[0], hashable(cached[0])
+        for r in self.compile_results:
+            if hashable(r.config) == want:
+                r.config.found_by_coordesc = True
+                self.compile_results = [r]
+                return
+        if self.fn.fn is None:  # compiled in a worker: the parent reloads its source first
+            self.fn = reload_kernel_from_src().fn
+        self.compile_results = [self._precompile_config(best)]
+
+    run.keeps_tuning = True
+    return run
+
+
 def load(run_dir: Path, device: torch.device, say, kind: str = "train") -> bool:
     """Load this machine kind's artifacts of `kind` (train: the training steps; forecast: the
     Forecaster's graphs) into torch's caches, once per process; say what happened. Returns whether
     artifacts were loaded."""
-    allow_custom_functions()
+    prepare()
     folder = Path(run_dir) / FOLDER
     key = machine_key(device)
     name = f"{kind}-{key_name(key)}"

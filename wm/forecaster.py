@@ -88,6 +88,13 @@ def _compile(mode: Optional[str]) -> Optional[str]:
     return mode
 
 
+def _mode_options(mode: str) -> dict:
+    """torch.compile takes a mode or options, not both: a mode is a set of options."""
+    from torch._inductor import list_mode_options
+
+    return list_mode_options(mode)
+
+
 def _graph_ok(cuda_graph: bool, device: torch.device, compile: Optional[str]) -> bool:
     if cuda_graph and device.type != "cuda":
         raise WMError(f"Forecaster cuda_graph=True needs a CUDA device, not {device}; leave it off on the CPU")
@@ -201,12 +208,19 @@ class Forecaster:
     as one CUDA graph per input shape (see the module's docstring; with compile None or default).
     `cache_dir`: with compile, a folder whose compile cache (wm.compile_cache, kind "forecast") is
     loaded before the first compile and written after each input shape that compiled, so the next
-    process on the same kind of machine does not compile again (from_run: the run folder)."""
+    process on the same kind of machine does not compile again (from_run: the run folder).
+    `inductor`: with compile, Inductor options on top of the mode's (e.g. the tokenizer stage's
+    {"coordinate_descent_tuning": True, "force_layout_optimization": True}: minutes more of
+    compilation for tuned kernels).
+    `aoti_dir`: a folder of AOTInductor packages (export.py --aoti, wm.export.aoti): each call runs
+    the package of its batch, past length, horizon and dtype, loaded on first use (seconds, nothing
+    compiled or tuned); with cuda_graph its call is recorded as one CUDA graph."""
 
     def __init__(self, cfg: Config, tokenizer: Tokenizer, world: WorldModel, device="cpu", dtype="fp32",
                  compile: Optional[str] = None, checkpoint: Optional[Path] = None,
                  tokenizer_checkpoint: Optional[Path] = None, cuda_graph: bool = False,
-                 cache_dir: Optional[Path] = None, say: Callable[[str], Any] = lambda m: print(m, file=sys.stderr)):
+                 cache_dir: Optional[Path] = None, say: Callable[[str], Any] = lambda m: print(m, file=sys.stderr),
+                 aoti_dir: Optional[Path] = None, inductor: Optional[dict] = None):
         self.dtype, self.amp = _dtype(dtype)
         self.device = _device(device)
         self.cfg, self.compile = cfg, _compile(compile)
@@ -218,24 +232,46 @@ class Forecaster:
         self.world = world.to(self.device).eval().requires_grad_(False)
         self._encode, self._step, self._decode = self.tokenizer.encode, self.world.step, self.tokenizer.decode
         self.cache_dir, self.say, self._compiled_shapes = cache_dir, say, set()
+        if aoti_dir is not None and compile is not None:
+            raise WMError("Forecaster aoti_dir runs packages compiled ahead: leave compile=None")
+        self.aoti_dir, self._packages, self.package_load_s = aoti_dir, {}, {}
         if compile is not None:
             if cache_dir is not None:  # before anything compiles
                 compile_cache.load(cache_dir, self.device, say, kind="forecast")
-            compile_cache.allow_custom_functions()
+            compile_cache.prepare()
             # static shapes: one graph per batch size, and a rollout's steps after the first share one
-            self._encode, self._step, self._decode = (torch.compile(fn, mode=compile, dynamic=False)
+            how = dict(mode=compile) if not inductor else dict(options={**_mode_options(compile), **inductor})
+            self._encode, self._step, self._decode = (torch.compile(fn, dynamic=False, **how)
                                                       for fn in (self._encode, self._step, self._decode))
 
     @classmethod
     def from_run(cls, run: str | os.PathLike, ckpt: Optional[str | os.PathLike] = None, device="cpu",
-                 dtype="fp32", compile: Optional[str] = None, cuda_graph: bool = False) -> "Forecaster":
-        """The run's best world-model checkpoint (or `ckpt`) and the tokenizer it was trained on."""
+                 dtype="fp32", compile: Optional[str] = None, cuda_graph: bool = False,
+                 aoti: bool = False) -> "Forecaster":
+        """The run's best world-model checkpoint (or `ckpt`) and the tokenizer it was trained on;
+        `aoti`: run the AOTInductor packages export.py --aoti wrote into <run>/export."""
         from wm.export.onnx import load_trained
 
         _dtype(dtype), _graph_ok(cuda_graph, _device(device), _compile(compile))  # refuse before reading
         t = load_trained(run, ckpt)
         return cls(t.cfg, t.tokenizer, t.world, device, dtype, compile, t.ckpt, t.tokenizer_ckpt, cuda_graph,
-                   cache_dir=Path(run))
+                   cache_dir=Path(run), aoti_dir=Path(run) / "export" if aoti else None)
+
+    def _package(self, occ: Tensor, fut: Optional[Tensor], S: int, logits: bool):
+        """The AOTInductor package of this call's shape and dtype, loaded once (checked against
+        this forecaster's checkpoint when it has one)."""
+        from wm.export.aoti import find_package, load_package
+
+        if logits:
+            raise WMError("an AOTInductor package returns no logits: call with logits=False, or use a "
+                          "Forecaster without aoti")
+        B, P = occ.shape[:2]
+        key = (B, P, S, fut is not None)
+        if key not in self._packages:
+            path = find_package(self.aoti_dir, self.device, B, P, S, self.dtype, given=fut is not None)
+            self._packages[key], self.package_load_s[key] = load_package(path, self.device, self.checkpoint)
+            self.say(f"AOTInductor package {path.name}: loaded in {self.package_load_s[key]:.2f} s")
+        return self._packages[key]
 
     def _forecast(self, occ: Tensor, motion: Tensor, fut: Optional[Tensor], S: int, mark: Callable) -> list:
         """[occupancy, motion, codes, logits] of the future frames; what a CUDA graph records."""
@@ -282,7 +318,22 @@ class Forecaster:
         occ, motion, fut, S, batched, as_numpy = prepare_inputs(self.cfg, self.device, past_occ, past_poses,
                                                                 future_poses, steps)
         mark("inputs")
-        if self.cuda_graph:
+        if self.aoti_dir is not None:
+            run = self._package(occ, fut, S, logits)
+            motion, fut = motion.float(), None if fut is None else fut.float()  # the package's input types
+            if self.cuda_graph:
+                key = ("aoti", tuple(occ.shape), fut is None, S)
+                call = (lambda o, m, f: list(run(o, m))) if fut is None else (lambda o, m, f: list(run(o, m, f)))
+                with torch.cuda.device(self.device):
+                    g = self._graphs.get(key)
+                    if g is None:
+                        g = self._graphs[key] = _Graph(call, [occ, motion, fut], self._pool)
+                    out = [x.clone() for x in g([occ, motion, fut])] + [None]
+            else:
+                with torch.no_grad():
+                    out = list(run(occ, motion) if fut is None else run(occ, motion, fut)) + [None]
+            mark("forecast")
+        elif self.cuda_graph:
             out = self._replay(occ, motion, fut, S, logits)
             mark("forecast")  # one graph: its phases are not marked apart
         else:

@@ -37,6 +37,7 @@ from wm.errors import WMError
 from wm.evaluate import autocast
 from wm.host_gc import StepGC
 from wm.logs import eta
+from wm.memory_plan import first_step_line, memory_scalars
 from wm.run import Run, belongs
 from wm.step_graph import GraphedStep, plain_optimizer_state, set_lr, use_graphs
 from wm.step_outcome import HostCopy, StepResult, step_unless
@@ -269,6 +270,19 @@ class Due:
     save: bool
 
 
+def compile_report() -> str:
+    """Where a first step's seconds went (Dynamo's per-phase times) and what torch's caches did
+    (graphs traced, AOTAutograd and Inductor cache hits, misses and bypasses): a cached resume that
+    is still slow names the cache that missed."""
+    from torch._dynamo.utils import compile_times, counters
+
+    lines = [compile_times(repr="str", aggregate=True), "", "cache counters:"]
+    for group, prefix in (("stats", "unique_graphs"), ("aot_autograd", "autograd_cache"), ("inductor", "fxgraph_cache")):
+        got = {k: v for k, v in counters[group].items() if k.startswith(prefix)}
+        lines += [f"  {group}.{k} {v}" for k, v in sorted(got.items())]
+    return "\n".join(lines) + "\n"
+
+
 class StageLoop:
     """One stage's training state between steps: the parts it trains with (StageParts), the step,
     the best validation and the steps since it, what is still to be logged, the stop reason."""
@@ -390,16 +404,13 @@ class StageLoop:
             self.run.say(f"{self.stage.name}: first step {first:.1f} s" + (
                 "" if not self.compiling else " (torch.compile, from the run's compile cache)" if self.cached
                 else " (torch.compile compiling)"))
+            self.run.say(first_step_line(getattr(self.run, "memory_plan", None), self.stage.name, self.device))
             if self.compiling:
                 self.logger.scalars(step, {"perf/first_step_s": first, "perf/compile_cache_hit": float(self.cached)},
                                     kind=f"{self.stage.name}/compile")
                 if self.d.is_main:
                     compile_cache.save(self.run.dir, self.device, self.run.say)
-                    # where the first step's seconds went (tracing, AOTAutograd, Inductor, cache loads)
-                    from torch._dynamo.utils import compile_times
-
-                    write_bytes(self.run.stage_dir(self.stage.name) / "compile_times.txt",
-                                compile_times(repr="str", aggregate=True).encode())
+                    write_bytes(self.run.stage_dir(self.stage.name) / "compile_times.txt", compile_report().encode())
             self.t_steady, self.step_steady = time.perf_counter(), step  # a compilation is no guide to the rest
             if not due.log:
                 self.t_last, self.samples_since, self.wait_since = time.perf_counter(), 0, 0.0
@@ -436,8 +447,7 @@ class StageLoop:
                     "perf/samples_per_s": self.samples_since / dt, "perf/data_wait_frac": self.wait_since / dt,
                     "perf/device_hours": (time.perf_counter() - self.t_start) * d.world_size / 3600,
                     "train/epoch": self.sampler.epoch})
-        if device.type == "cuda":
-            rec["mem/max_alloc_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        rec.update(memory_scalars(getattr(self.run, "memory_plan", None), self.stage.name, device))
         if self.flops_per_sample:
             achieved = self.flops_per_sample * self.samples_since / dt  # all ranks together
             rec["perf/tflops_per_s"] = achieved / 1e12

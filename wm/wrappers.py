@@ -54,7 +54,7 @@ def compiled(ddp: nn.Module, cfg: Config, inductor: Optional[dict] = None, steps
     model's compilation only)."""
     if not compiles(cfg, next(unwrap(ddp).parameters()).device, steps):
         return ddp
-    compile_cache.allow_custom_functions()  # our autograd.Functions' graphs in AOTAutograd's cache too
+    compile_cache.prepare()  # what the run's compile cache holds is reused in full
     if isinstance(ddp, nn.parallel.DistributedDataParallel):
         # one graph, the one a single GPU runs: Dynamo's DDP graph splitting hands each piece
         # layouts its neighbours do not produce, and one piece's backward read out of bounds
