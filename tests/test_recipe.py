@@ -254,7 +254,7 @@ def test_a_compiled_stage_logs_its_first_step_and_where_the_seconds_went(tiny, m
     assert len(first) == 1 and first[0]["perf/first_step_s"] > 0 and first[0]["perf/compile_cache_hit"] == 0.0
     times = (tiny.run_dir() / "tokenizer" / "compile_times.txt").read_text()
     assert "OutputGraph.call_user_compiler" in times  # Dynamo's hand-over to the backend, timed
-    assert re.search(r"^cache counters:\n  stats\.unique_graphs 1$", times, re.M), times  # what the caches did
+    assert re.search(r"^cache counters:\n  stats\.unique_graphs [1-9]\d*$", times, re.M), times  # what the caches did (counted per process)
 
 
 class _Cfg:
