@@ -59,7 +59,8 @@ def test_disabled_logger_writes_nothing(tmp_path):
     log.scalars(1, {"x": 1.0})
     log.record(1, "k", {"y": 2})
     log.image("img", 1, np.zeros((4, 4, 3), np.uint8))
-    log.hparams({"lr": 1e-3}, {"m": 1.0})
+    log.hparams_start({"lr": 1e-3}, ["m"], "r")
+    log.hparams_end("success")
     log.console("hello")
     log.close()
     assert list(tmp_path.iterdir()) == [] and out.getvalue() == ""
@@ -74,7 +75,8 @@ def test_tensorboard_scalars_images_hparams_read_back(tmp_path):
     rgb = np.zeros((6, 10, 3), np.uint8)
     rgb[:, :5, 0] = 255
     log.image("val/bev", 3, rgb)
-    log.hparams({"lr": 1e-3, "widths": (8, 16), "name": "x", "flag": True}, {"val/iou": 42.0, "bad": float("nan")})
+    log.hparams_start({"lr": 1e-3, "widths": (8, 16), "name": "x", "flag": True}, ["val/iou"], "trial")
+    log.hparams_end("success")
     log.close()
     ea = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0, "images": 0})
     ea.Reload()
@@ -83,9 +85,20 @@ def test_tensorboard_scalars_images_hparams_read_back(tmp_path):
     assert "skip" not in ea.Tags()["scalars"]  # non-finite values are left out of TensorBoard
     img = ea.Images("val/bev")[0]
     assert (img.width, img.height, img.step) == (10, 6, 3)
-    hp = EventAccumulator(str(tmp_path / "tb" / "hparams"))
-    hp.Reload()
-    assert "hparam/val/iou" in hp.Tags()["scalars"] and "hparam/bad" not in hp.Tags()["scalars"]
+    from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
+
+    content = ea.PluginTagToContent("hparams")  # in the run's own event file: no sub-run
+    exp = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    assert [m.name.tag for m in exp.metric_infos] == ["val/iou"]
+    assert {h.name: h.type for h in exp.hparam_infos} == {
+        "lr": api_pb2.DATA_TYPE_FLOAT64, "widths": api_pb2.DATA_TYPE_STRING, "name": api_pb2.DATA_TYPE_STRING,
+        "flag": api_pb2.DATA_TYPE_BOOL}
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
+    assert start.group_name == "trial" and start.hparams["flag"].bool_value is True
+    assert start.hparams["widths"].string_value == "(8, 16)" and start.hparams["lr"].number_value == 1e-3
+    end = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_end_info"]).session_end_info
+    assert end.status == api_pb2.STATUS_SUCCESS
+    assert [p.name for p in tmp_path.joinpath("tb").iterdir() if p.is_dir()] == []
     assert records(tmp_path)[0]["skip"] is None
 
 
@@ -101,7 +114,8 @@ def test_summary_writer_that_cannot_start_warns_once_and_jsonl_goes_on(tmp_path,
         for step in range(5):
             log.scalars(step, {"x": 1.0})
             log.image("i", step, np.zeros((2, 2, 3), np.uint8))
-            log.hparams({"a": 1}, {"m": 1.0})
+            log.hparams_start({"a": 1}, ["m"], "r")
+            log.hparams_end("failure")
         log.close()
     assert len(our_warnings(rec)) == 1
     assert "no tensorboard here" in our_warnings(rec)[0] and "training goes on" in our_warnings(rec)[0]
@@ -129,7 +143,7 @@ def test_sink_failing_mid_run_warns_once_then_is_switched_off(tmp_path):
             self.calls += 1
             raise OSError(28, "No space left on device")
 
-        add_image = add_hparams = add_scalar
+        add_image = add_scalar
 
         def flush(self):
             raise OSError(28, "No space left on device")

@@ -557,7 +557,7 @@ def test_tensorboard_events_hold_the_expected_tags(logged_run):
             assert f"{stage}/{t}" in tags["scalars"], (stage, t, tags["scalars"])
     for t in ("val/copy_last_iou", "val/iou_t1", "val/miou_t2"):
         assert f"world/{t}" in tags["scalars"], (t, tags["scalars"])
-    assert all(t.split("/")[0] in ("tokenizer", "world") for t in tags["scalars"]), tags["scalars"]
+    assert all(t.split("/")[0] in ("tokenizer", "world", "run") for t in tags["scalars"]), tags["scalars"]
     for t in tags["scalars"]:  # one stage per curve: its steps only rise
         steps = [e.step for e in ea.Scalars(t)]
         assert steps == sorted(set(steps)), (t, steps)
@@ -571,20 +571,28 @@ def test_tensorboard_events_hold_the_expected_tags(logged_run):
 
 def test_tensorboard_hparams_hold_the_config_and_final_metrics(logged_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.plugins.hparams import plugin_data_pb2
+    from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 
-    ea = EventAccumulator(str(logged_run / "tb" / "hparams"))
+    assert not (logged_run / "tb" / "hparams").exists()  # the run's own event file holds them
+    ea = EventAccumulator(str(logged_run / "tb"), size_guidance={"scalars": 0})
     ea.Reload()
     content = ea.PluginTagToContent("hparams")
     exp = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
-    metrics = {m.name.tag for m in exp.metric_infos}
-    assert {"hparam/tokenizer/val/miou", "hparam/world/val/iou", "hparam/world/val/copy_last_iou_t2"} <= metrics
+    metrics = [m.name.tag for m in exp.metric_infos]
+    assert metrics == ["tokenizer/val/iou", "tokenizer/val/miou", "world/val/iou", "world/val/miou",
+                       "world/val/iou_t1", "world/val/miou_t1", "world/val/iou_t2", "world/val/miou_t2",
+                       "run/gpu_hours"]
+    assert set(metrics) <= set(ea.Tags()["scalars"])  # each has a value in the run
     start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
     hp = start.session_start_info.hparams
+    assert start.session_start_info.group_name == "r"
     assert hp["tokenizer_stage.lr"].number_value == pytest.approx(Config().tokenizer_stage.lr)
     assert hp["train.stages"].string_value  # lists as text
-    done = json.loads((logged_run / "world" / "done.json").read_text())
-    assert ea.Scalars("hparam/world/val/iou")[0].value == pytest.approx(done["metrics"]["val/iou"], rel=1e-6)
+    assert hp["logging.tensorboard"].WhichOneof("kind") == "bool_value" and hp["logging.tensorboard"].bool_value
+    end = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_end_info"]).session_end_info
+    assert end.status == api_pb2.STATUS_SUCCESS
+    s = json.loads((logged_run / "summary.json").read_text())
+    assert ea.Scalars("run/gpu_hours")[-1].value == pytest.approx(s["gpu_hours"], rel=1e-5)
 
 
 def test_metrics_jsonl_is_strict_json(logged_run):

@@ -1,4 +1,4 @@
-"""Run logs: TensorBoard scalars/images/hparams, `metrics.jsonl` for scripts, and a console line.
+"""Run logs: TensorBoard scalars/images and the HParams records (wm/train.py writes them at start and end), `metrics.jsonl` for scripts, and a console line.
 
 Only rank 0 logs. Names carry their units (`loss/ce`, `perf/samples_per_s`, `mem/max_alloc_gib`).
 A logger that fails (tensorboard not installed, folder unwritable, disk full) warns once and is
@@ -107,13 +107,26 @@ class Logger:
             except Exception as e:
                 self._fail("tensorboard", e)
 
-    def hparams(self, hparams: dict, metrics: dict) -> None:
+    def hparams_start(self, hparams: dict, metrics: list[str], trial_id: str) -> None:
+        """The HParams tab's records at the start of a process (a fresh run or a resume), into the run's
+        own event file: the experiment (every hparam with its type, the fixed `metrics`: scalar tags this
+        run logs) and the session start (`hparams`: bool, number or str values; the others as text).
+        TensorBoard keeps the first record of a tag per run, so a resume's repeat changes nothing."""
         if self.enabled and self._tb is not None:
             try:
-                flat = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in hparams.items()}
-                fin = {f"hparam/{k}": float(v) for k, v in metrics.items()
-                       if v is not None and math.isfinite(float(v))}
-                self._tb.add_hparams(flat, fin, run_name="hparams")
+                hp = {k: _hp_value(v) for k, v in hparams.items()}
+                self._tb._get_file_writer().add_summary(_experiment(hp, metrics))
+                self._tb._get_file_writer().add_summary(_session_start(hp, trial_id))
+                self._tb.flush()
+            except Exception as e:
+                self._fail("tensorboard", e)
+
+    def hparams_end(self, status: str) -> None:
+        """The session end: status "success", "failure", "running" or "unknown" (api_pb2.Status)."""
+        if self.enabled and self._tb is not None:
+            try:
+                self._tb._get_file_writer().add_summary(_session_end(status))
+                self._tb.flush()
             except Exception as e:
                 self._fail("tensorboard", e)
 
@@ -147,6 +160,56 @@ class Logger:
                 except Exception:
                     pass
         self._tb = self._jsonl = None
+
+
+def _hp_value(v: Any) -> Any:
+    """A hparam as TensorBoard holds one: bool, number (not NaN/inf) or str; anything else as text."""
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    if isinstance(v, (int, float, np.integer, np.floating)) and math.isfinite(float(v)):
+        return float(v)
+    return v if isinstance(v, str) else str(v)
+
+
+def _hparams_summary(tag: str, **data):
+    """One Summary value of the hparams plugin: `data` (experiment= / session_start_info= /
+    session_end_info=) in HParamsPluginData, serialized into the value's plugin metadata."""
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.plugins.hparams import metadata, plugin_data_pb2
+
+    content = plugin_data_pb2.HParamsPluginData(version=metadata.PLUGIN_DATA_VERSION, **data)
+    meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(
+        plugin_name=metadata.PLUGIN_NAME, content=content.SerializeToString()))
+    return Summary(value=[Summary.Value(tag=tag, metadata=meta)])
+
+
+def _experiment(hp: dict, metrics: list[str]):
+    from tensorboard.plugins.hparams import api_pb2, metadata
+
+    kind = {bool: api_pb2.DATA_TYPE_BOOL, float: api_pb2.DATA_TYPE_FLOAT64, str: api_pb2.DATA_TYPE_STRING}
+    exp = api_pb2.Experiment(
+        time_created_secs=time.time(),
+        hparam_infos=[api_pb2.HParamInfo(name=k, type=kind[type(v)]) for k, v in hp.items()],
+        metric_infos=[api_pb2.MetricInfo(name=api_pb2.MetricName(group="", tag=m)) for m in metrics])
+    return _hparams_summary(metadata.EXPERIMENT_TAG, experiment=exp)
+
+
+def _session_start(hp: dict, trial_id: str):
+    from tensorboard.plugins.hparams import metadata, plugin_data_pb2
+
+    info = plugin_data_pb2.SessionStartInfo(group_name=trial_id, start_time_secs=time.time())
+    for k, v in hp.items():
+        field = "bool_value" if isinstance(v, bool) else "number_value" if isinstance(v, float) else "string_value"
+        setattr(info.hparams[k], field, v)
+    return _hparams_summary(metadata.SESSION_START_INFO_TAG, session_start_info=info)
+
+
+def _session_end(status: str):
+    from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
+
+    info = plugin_data_pb2.SessionEndInfo(status=api_pb2.Status.Value(f"STATUS_{status.upper()}"),
+                                          end_time_secs=time.time())
+    return _hparams_summary(metadata.SESSION_END_INFO_TAG, session_end_info=info)
 
 
 def drop_partial_line(path: Path) -> int:

@@ -222,12 +222,13 @@ def stage_total(s: StageConfig, step: int, sampler: ResumableSampler, batch: int
     return step + max(0, left) // s.grad_accum
 
 
-def fit(run: Run, stage, device: torch.device, dtype, stop: Preemption) -> dict:
-    """Train one stage to its end (or to preemption / early stop). Returns its last validation."""
+def fit(run: Run, stage, device: torch.device, dtype, stop: Preemption, t0: Optional[float] = None) -> dict:
+    """Train one stage to its end (or to preemption / early stop). Returns its last validation.
+    `t0`: when this process began the stage (time.perf_counter(); default now), its time's start."""
     done = finished(run, stage.name)
     if done is not None:
         return done
-    lp = StageLoop(run, stage, device, dtype)
+    lp = StageLoop(run, stage, device, dtype, time.perf_counter() if t0 is None else t0)
     lp.resume()
     lp.before()
     lp.start()
@@ -287,8 +288,9 @@ class StageLoop:
     """One stage's training state between steps: the parts it trains with (StageParts), the step,
     the best validation and the steps since it, what is still to be logged, the stop reason."""
 
-    def __init__(self, run: Run, stage, device: torch.device, dtype):
+    def __init__(self, run: Run, stage, device: torch.device, dtype, t0: Optional[float] = None):
         self.run, self.stage, self.device, self.dtype = run, stage, device, dtype
+        self.t0, self.before_s = time.perf_counter() if t0 is None else t0, (0.0, 0.0)  # this process's start; earlier processes' (wall s, device s)
         self.cfg, self.d, self.logger = run.cfg, run.d, run.log
         parts = stage_parts(stage, self.cfg, self.d, device, dtype)
         self.parts, self.s = parts, parts.s
@@ -333,6 +335,8 @@ class StageLoop:
         self.stage.init_source = st.get("init")  # the fine-tune's source, in every checkpoint after
         self.step, self.best, self.stale, self.last_val = st["step"], st.get("best"), st.get("stale", 0), \
             st.get("metrics", {})
+        took = st.get("time") or {}
+        self.before_s = (float(took.get("wall_s", 0.0)), float(took.get("device_s", 0.0)))
         self.total = stage_total(self.s, self.step, self.sampler, self.batch)
         rngs = st["rng"]
         self.run.say(f"{self.stage.name}: resumed from {path} at step {self.step}/{self.total} "
@@ -520,10 +524,18 @@ class StageLoop:
                  "best": self.best, "stale": self.stale, "metrics": metrics or self.last_val, "stage": name,
                  "config": to_dict(self.cfg), "data_fingerprint": self.run.fingerprint,
                  "class_names": list(self.run.manifest.info.class_names),
-                 "init": getattr(self.stage, "init_source", None)}
+                 "init": getattr(self.stage, "init_source", None), "time": self.times(raw=True)}
         if name == "world":
             state["tokenizer"] = {"path": str(self.stage.tok_path), "sha256": self.stage.tok_sha}
         self.ckpt.save(state, self.step, metrics)
+
+    def times(self, raw: bool = False) -> dict:
+        """The stage's training time over its processes (each from its start to now; the gaps between
+        a stop and the resume are in none): wall seconds and device hours (seconds x world size). `raw`:
+        device seconds, as checkpoints carry it (a resume may run on another number of ranks)."""
+        now = time.perf_counter() - self.t0
+        wall, dev = self.before_s[0] + now, self.before_s[1] + now * self.d.world_size
+        return {"wall_s": wall, "device_s": dev} if raw else {"wall_s": round(wall, 3), "gpu_hours": dev / 3600}
 
     def last_good(self) -> str:
         """The newest checkpoint known complete and finite: the last one saved, else the one resumed from."""
@@ -545,7 +557,7 @@ class StageLoop:
             raise Preempted()
         if d.is_main:
             write_bytes(self.run.stage_dir(name) / "done.json", json.dumps(
-                {"step": self.step, "metrics": self.last_val, "reason": reason or "finished"}, indent=1))
+                {"step": self.step, "metrics": self.last_val, "reason": reason or "finished", **self.times()}, indent=1))
         D.barrier(d)
         if reason:
             self.run.say(f"{name}: {reason}")

@@ -11,11 +11,12 @@ from wm.metrics import step_label
 
 
 def final_table(cfg: Config, results: dict, moving=(), step_s: Optional[float] = None,
-                before: Optional[dict] = None) -> str:
+                before: Optional[dict] = None, times: Optional[dict] = None) -> str:
     """The table printed when training ends: reconstruction, the forecast and copy-last per future
     step (labelled in seconds where `step_s` is known), the `moving` classes' IoU per step; with
     `before` ({stage: metrics} of the stages init.from initialised) the source model's own figures
-    on this data before the first step."""
+    on this data before the first step; with `times` ({stage or "run": {wall_s, gpu_hours}}) a line of
+    the training time of each."""
     lines, before = [], before or {}
     if "tokenizer" in results:
         for word, r in (("", results["tokenizer"]), (" before fine-tuning", before.get("tokenizer"))):
@@ -40,6 +41,9 @@ def final_table(cfg: Config, results: dict, moving=(), step_s: Optional[float] =
         lines += moving_table(r, S, moving, head) if moving else [
             "(no moving classes: the data set declares none and has no nuScenes-named ones; set "
             "data.moving_classes, or moving_classes in classes.json at conversion)"]
+    if times:
+        lines.append("training time (its processes, gaps between them left out): " + ", ".join(
+            f"{n} {t['wall_s'] / 60:.1f} min, {t['gpu_hours']:.4f} GPU-hours" for n, t in times.items()))
     return "\n".join(lines)
 
 

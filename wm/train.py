@@ -112,6 +112,64 @@ def _timed_out(e: BaseException) -> bool:
     return any(w in str(e).lower() for w in ("timed out", "timeout"))
 
 
+def hparams_of(cfg: Config) -> dict:
+    """The flat config `section.key` for TensorBoard's HParams, each value of its key's type in the
+    default config, so every run has one schema: bools stay bools, numbers numbers, the rest
+    (strings, lists, None) text."""
+    def flat(c):
+        return {f"{sec}.{k}": v for sec, kv in to_dict(c).items() for k, v in kv.items()}
+
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    out, default = {}, flat(Config())
+    for k, v in flat(cfg).items():
+        ref = default.get(k, v)
+        out[k] = v if isinstance(ref, bool) and isinstance(v, bool) else \
+            float(v) if number(ref) and number(v) else str(v)
+    return out
+
+
+def hparam_metrics(cfg: Config) -> list[str]:
+    """The HParams metrics, the same list for every run (whichever stages it trains): each stage's
+    validation IoU and mIoU, the forecast's per future step (as the world stage logs them) and the
+    run's device hours."""
+    steps = [f"world/val/{m}_t{t + 1}" for t in range(cfg.data.future) for m in ("iou", "miou")]
+    return ["tokenizer/val/iou", "tokenizer/val/miou", "world/val/iou", "world/val/miou", *steps, "run/gpu_hours"]
+
+
+def stage_times(run: Run, names) -> dict:
+    """Each finished stage's training time from its done.json (wall_s, gpu_hours: summed over its
+    processes, the gaps between them left out) and their sum under "run"."""
+    out = {}
+    for n in names:
+        done = read_json(run.stage_dir(n) / "done.json")
+        if isinstance(done, dict) and "wall_s" in done:
+            out[n] = {"wall_s": done["wall_s"], "gpu_hours": done["gpu_hours"]}
+    out["run"] = {"wall_s": round(sum(t["wall_s"] for t in out.values()), 3),
+                  "gpu_hours": sum(t["gpu_hours"] for t in out.values())}
+    return out
+
+
+def report(run: Run, cfg: Config, results: dict, times: dict, t0: float) -> None:
+    """The final table on the console and summary.json (rank 0)."""
+    moving = moving_classes(run.manifest.info, cfg.data.moving_classes)
+    step_s = step_seconds(cfg, run.manifest.info)
+    before = {n: b["metrics"] for n in results if isinstance(b := read_json(run.stage_dir(n) / "before.json"), dict)
+              and isinstance(b.get("metrics"), dict)}
+    table = final_table(cfg, results, moving, step_s, before, times)
+    minutes = (time.time() - t0) / 60
+    print(f"\nrun {run.dir} finished in {minutes:.1f} min\n{table}")
+    summary = make_summary(cfg, results, moving, step_s)
+    if before or cfg.init.from_:
+        summary["before"] = make_summary(cfg, before, moving, step_s)
+        summary["init"] = recorded(run.dir)
+    summary["minutes"] = round(minutes, 2)
+    for n, t in times.items():
+        (summary.setdefault(n, {}) if n != "run" else summary).update(t)
+    write_bytes(run.dir / "summary.json", json.dumps(summary, indent=1))
+
+
 def main(argv=None, stop: Optional[Preemption] = None) -> int:
     """train.py. `stop`: the preemption flag SIGTERM/SIGINT set (a fresh one unless given)."""
     args = parse_args(argv)
@@ -152,15 +210,18 @@ def main(argv=None, stop: Optional[Preemption] = None) -> int:
         run.say(f"training: {device_line(cfg, d, device, dtype)}")
         check_stages(run)
         t0 = time.time()
-        results = {}
+        results, times, status = {}, {}, "failure"
+        run.log.hparams_start(hparams_of(cfg), hparam_metrics(cfg), run.dir.name)  # rank 0; a failure warns
         try:
             for name in cfg.train.stages:
+                t_stage = time.perf_counter()  # the stage's time includes building it (the token cache)
                 stage = TokenizerStage(run) if name == "tokenizer" else WorldStage(run, device, dtype)
-                results[name] = fit(run, stage, device, dtype, stop)
-            # hparams with the final metrics (rank 0's logger only; a failure warns)
-            run.log.hparams({f"{sec}.{k}": v for sec, kv in to_dict(cfg).items() for k, v in kv.items()},
-                            {f"{n}/{k}": v for n, r in results.items() for k, v in r.items()})
+                results[name] = fit(run, stage, device, dtype, stop, t_stage)
+            times = stage_times(run, results)
+            run.log.scalars(0, {"run/gpu_hours": times["run"]["gpu_hours"]}, kind="run")
+            status = "success"
         except Preempted:
+            status = None  # no session end: the resume's is the one TensorBoard keeps (see hparams_end)
             return 0
         except (torch.distributed.DistError, RuntimeError) as e:
             if not d.active or not _collective_failure(e):
@@ -171,21 +232,11 @@ def main(argv=None, stop: Optional[Preemption] = None) -> int:
                           "another rank died or hung (see its log). Checkpoints are intact: rerun the "
                           "same command to resume") from None
         finally:
+            if status:
+                run.log.hparams_end(status)
             run.log.close()
         if d.is_main:
-            moving = moving_classes(run.manifest.info, cfg.data.moving_classes)
-            step_s = step_seconds(cfg, run.manifest.info)
-            before = {n: b["metrics"] for n in results if isinstance(b := read_json(run.stage_dir(n) / "before.json"), dict)
-                      and isinstance(b.get("metrics"), dict)}
-            table = final_table(cfg, results, moving, step_s, before)
-            minutes = (time.time() - t0) / 60
-            print(f"\nrun {run.dir} finished in {minutes:.1f} min\n{table}")
-            summary = make_summary(cfg, results, moving, step_s)
-            if before or cfg.init.from_:
-                summary["before"] = make_summary(cfg, before, moving, step_s)
-                summary["init"] = recorded(run.dir)
-            summary["minutes"] = round(minutes, 2)
-            write_bytes(run.dir / "summary.json", json.dumps(summary, indent=1))
+            report(run, cfg, results, times, t0)
         return 0
     finally:
         if run is not None:
