@@ -227,6 +227,18 @@ def plant(folder: Path, step: int, obj) -> Path:
     return path
 
 
+def planted_resume(tdir: Path, n: int, cmd: list, state: dict, why: str = "") -> tuple[str, str]:
+    """`state` planted as step n+1 of the stopped run in `tdir`, the same command again: one line
+    names it as skipped (holding `why`), the run resumes at its own step n. Returns (line, output)."""
+    planted = plant(cdir(tdir), n + 1, state)
+    rc, out = run(cmd)
+    said = [ln for ln in out.splitlines() if f"skipped {planted}" in ln]
+    expect(rc == 0 and len(said) == 1 and why in said[0], f"planted: exit {rc}, {len(said)} lines skipping it"
+           + (f" ({why!r})" if why else ""), out)
+    expect(resumed_at(out) == n, f"planted: resumed at step {resumed_at(out)}, not {n}", out)
+    return said[0], out
+
+
 def newest_state(run_dir: Path, stage: str = "tokenizer") -> dict:
     found = ck.newest_valid(cdir(run_dir, stage), say=lambda m: None)
     expect(found is not None, f"{cdir(run_dir, stage)} holds no valid checkpoint")
@@ -589,14 +601,9 @@ def case_foreign(ctx: Ctx) -> str:
     st = torch.load(cdir(tdir) / ck.checkpoint_name(n), weights_only=True)
     st["config"]["run"]["seed"] = 7
     st["step"] = n + 1
-    bad = plant(cdir(tdir), n + 1, st)
-    rc, out2 = run(cmd)
-    said = [ln for ln in out2.splitlines() if f"skipped {bad}" in ln]
-    expect(rc == 0 and len(said) == 1 and "another run" in said[0], f"tokenizer: exit {rc}, {len(said)} lines "
-           "skipping the planted file as another run's", out2)
-    expect(resumed_at(out2) == n, f"tokenizer: resumed at step {resumed_at(out2)}, not {n}", out2)
+    said, out2 = planted_resume(tdir, n, cmd, st, "another run")
     return (f"world: '{short(lines[0], 120)}', own files unchanged, resumed at 2/2; "
-            f"tokenizer: '{short(said[0], 100)}', resumed at {n}/{STEPS}, " + expect_bitwise(ref, tdir, out2))
+            f"tokenizer: '{short(said, 100)}', resumed at {n}/{STEPS}, " + expect_bitwise(ref, tdir, out2))
 
 
 @case("nan", "a checkpoint holding NaN (the world best.pt, one tensor NaN, re-saved) given with --ckpt to "
@@ -615,19 +622,14 @@ def case_nan(ctx: Ctx) -> str:
         train_cmd(ctx.args("both", **BOTH)) + ["--eval-only", "--ckpt", str(bad)],
         [sys.executable, "export.py", "--run", str(both / "r"), "--ckpt", str(bad), "--out", str(out_dir)]])
     e1 = one_line_error(rc1, out1, bad, "non-finite")
-    e2 = one_line_error(rc2, out2, bad, "non-finite")
+    one_line_error(rc2, out2, bad, "non-finite")
     expect(not out_dir.exists(), "export.py wrote its output folder", out2)
     tdir, n, cmd = ctx.cut_copy("nan_tok")
     st = torch.load(cdir(tdir) / ck.checkpoint_name(n), weights_only=True)
     t = next(iter(st["model"]))
     st["model"][t] = st["model"][t].clone().fill_(float("nan"))
     st["step"] = n + 1
-    planted = plant(cdir(tdir), n + 1, st)
-    rc, out3 = run(cmd)
-    said = [ln for ln in out3.splitlines() if f"skipped {planted}" in ln]
-    expect(rc == 0 and len(said) == 1 and "non-finite" in said[0], f"planted: exit {rc}, {len(said)} lines "
-           "skipping it as non-finite", out3)
-    expect(resumed_at(out3) == n, f"planted: resumed at step {resumed_at(out3)}, not {n}", out3)
+    _, out3 = planted_resume(tdir, n, cmd, st, "non-finite")
     return (f"eval-only: '{short(e1, 100)}'; export: exit 2, one line; planted: skipped, resumed at {n}/{STEPS}, "
             + expect_bitwise(ref, tdir, out3))
 
@@ -664,12 +666,8 @@ def case_pickle(ctx: Ctx) -> str:
     one_line_error(rc2, out2, evil)
     expect(not out_dir.exists(), "export.py wrote its output folder", out2)
     tdir, n, cmd = ctx.cut_copy("pickle_tok")
-    planted = plant(cdir(tdir), n + 1, {"model": ns["Evil"](), "stage": "tokenizer", "step": n + 1})
-    rc, out3 = run(cmd)
+    _, out3 = planted_resume(tdir, n, cmd, {"model": ns["Evil"](), "stage": "tokenizer", "step": n + 1})
     expect(not marker.exists(), "MARKER appeared: the planted pickle ran", out3)
-    said = [ln for ln in out3.splitlines() if f"skipped {planted}" in ln]
-    expect(rc == 0 and len(said) == 1, f"planted: exit {rc}, {len(said)} lines skipping it", out3)
-    expect(resumed_at(out3) == n, f"planted: resumed at step {resumed_at(out3)}, not {n}", out3)
     return (f"no MARKER; eval-only and export: '{short(e1, 100)}'; planted: skipped, resumed at {n}/{STEPS}, "
             + expect_bitwise(ref, tdir, out3))
 

@@ -178,11 +178,12 @@ def main(argv=None) -> int:
     recipe = load(a.cfg, a.set)  # the schedule as the preset has it (refused here in one line if bad)
     out = Path(a.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
-    compiles = recipe.compile.enable is True or (recipe.compile.enable == "auto" and any(
-        getattr(recipe, f"{s}_stage").max_steps >= recipe.compile.min_steps for s in STAGES))
     import torch
 
-    compiles = compiles and (recipe.compile.enable is True or torch.cuda.is_available())
+    from wm.wrappers import compiles as stage_compiles
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # train.device=auto's choice
+    compiles = any(stage_compiles(recipe, device, getattr(recipe, f"{s}_stage").max_steps) for s in STAGES)
     cmd = [sys.executable, "train.py", "--cfg", a.cfg, *[x for kv in a.set for x in ("--set", kv)],
            "--set", f"tokenizer_stage.max_steps={a.steps}", "--set", f"world_stage.max_steps={a.steps}",
            "--set", f"compile.enable={'true' if compiles else 'false'}", "--set", f"run.out_dir={out / 'runs'}"]

@@ -43,6 +43,7 @@ from wm.data import relative_motion
 from wm.errors import WMError
 from wm.tokenizer import Tokenizer
 from wm.world import WorldModel
+from wm.wrappers import compile_args
 
 __all__ = ["Forecaster", "Prediction", "DTYPES", "prepare_inputs"]
 
@@ -86,13 +87,6 @@ def _compile(mode: Optional[str]) -> Optional[str]:
     if mode is not None and mode not in COMPILE_MODES:
         raise WMError(f"Forecaster compile {mode!r} must be one of None, {', '.join(COMPILE_MODES)}")
     return mode
-
-
-def _mode_options(mode: str) -> dict:
-    """torch.compile takes a mode or options, not both: a mode is a set of options."""
-    from torch._inductor import list_mode_options
-
-    return list_mode_options(mode)
 
 
 def _graph_ok(cuda_graph: bool, device: torch.device, compile: Optional[str]) -> bool:
@@ -240,7 +234,7 @@ class Forecaster:
                 compile_cache.load(cache_dir, self.device, say, kind="forecast")
             compile_cache.prepare()
             # static shapes: one graph per batch size, and a rollout's steps after the first share one
-            how = dict(mode=compile) if not inductor else dict(options={**_mode_options(compile), **inductor})
+            how = compile_args(compile, inductor)
             self._encode, self._step, self._decode = (torch.compile(fn, dynamic=False, **how)
                                                       for fn in (self._encode, self._step, self._decode))
 

@@ -59,9 +59,14 @@ def compiled(ddp: nn.Module, cfg: Config, inductor: Optional[dict] = None, steps
         # one graph, the one a single GPU runs: Dynamo's DDP graph splitting hands each piece
         # layouts its neighbours do not produce, and one piece's backward read out of bounds
         torch._dynamo.config.optimize_ddp = False
+    return torch.compile(ddp, **compile_args(cfg.compile.mode, inductor))
+
+
+def compile_args(mode: str, inductor: Optional[dict] = None) -> dict:
+    """torch.compile's keyword for `mode` with `inductor` options on top: it takes a mode or
+    options, not both, and a mode is a set of options."""
     if not inductor:
-        return torch.compile(ddp, mode=cfg.compile.mode)
-    # torch.compile takes a mode or options, not both: a mode is a set of options
+        return {"mode": mode}
     from torch._inductor import list_mode_options
 
-    return torch.compile(ddp, options={**list_mode_options(cfg.compile.mode), **inductor})
+    return {"options": {**list_mode_options(mode), **inductor}}
