@@ -79,3 +79,14 @@ def test_a_tiny_run_end_to_end(tiny, tmp_path):
     assert rep["measured"]["token_cache_frames"] == 24  # every frame of the tiny training split
     assert "| tokenizer |" in p.stdout and "recipe total" in p.stdout
     assert (out / "train.log").is_file() and "resume" not in rep  # no --preempt-after: one process
+
+
+def test_a_stage_only_the_resume_reached_has_no_resume_figure():
+    # the first run was preempted in the tokenizer: the world stage's first step in the resume is its compile
+    run = B.phases(LOG[:5])
+    resume = B.phases([(0.0, "tokenizer: first step 35.4 s (torch.compile, from the run's compile cache)"),
+                       (5.0, "tokenizer step 50/438 loss 6.1 lr 1.00e-03 460.0 samples/s data wait 0% ETA 1m0s"),
+                       *LOG[10:]])
+    m = B.merged({"run": run, "resume": resume})
+    assert m["tokenizer"]["first_step_s"] == 236.6 and m["tokenizer"]["resume_first_step_s"] == 35.4
+    assert m["world"]["first_step_s"] == 139.4 and "resume_first_step_s" not in m["world"]

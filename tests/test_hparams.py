@@ -95,9 +95,8 @@ def test_preempted_run_counts_its_processes_not_the_gap(tiny, restore_signals, o
     second = time.perf_counter() - t
     done = json.loads((rd / "tokenizer" / "done.json").read_text())
     assert done["step"] == 3
-    # the stage's time is within its two processes' time, and well short of it with the gap
+    # the stage's time is its two processes' share: more than the first's, within both, the gap left out
     assert ckpt["time"]["wall_s"] < done["wall_s"] <= first + second + 0.01
-    assert done["wall_s"] >= 0.5 * (first + second)
     assert done["gpu_hours"] == pytest.approx(done["wall_s"] / 3600, rel=1e-3)  # one rank
     s = json.loads((rd / "summary.json").read_text())
     assert s["tokenizer"]["wall_s"] == done["wall_s"] and s["wall_s"] == done["wall_s"]

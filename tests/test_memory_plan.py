@@ -220,3 +220,39 @@ def test_on_cuda_the_planned_step_is_what_the_real_step_allocates(name):
             out = M._loss(name, model, batch)
         out["loss"].backward()
     assert peak.peak == want
+
+
+def test_a_stage_is_freed_before_the_next_is_built(tiny, restore_signals, monkeypatch):
+    # the world stage's peak must not hold the tokenizer stage's model, optimizer and captured graphs
+    # (22 GiB at the occworld preset's tokenizer batch on one GPU)
+    import weakref
+
+    from wm import train as T
+
+    made, real_tok, real_world = [], T.TokenizerStage, T.WorldStage
+
+    def tokenizer_stage(run):
+        s = real_tok(run)
+        made.append(weakref.ref(s.model))
+        return s
+
+    def world_stage(*a):
+        assert made and made[0]() is None, "the tokenizer stage's model outlived its stage"
+        return real_world(*a)
+
+    monkeypatch.setattr(T, "TokenizerStage", tokenizer_stage)
+    monkeypatch.setattr(T, "WorldStage", world_stage)
+    assert T.main(tiny.args(train__stages="tokenizer,world", tokenizer_stage__max_steps=1, world_stage__max_steps=1)) == 0
+    assert made
+
+
+def test_on_cuda_each_stage_is_compared_with_its_own_estimate():
+    # release() resets CUDA's peak between stages; a CPU's peak RSS cannot be, so there it accumulates
+    cfg = load(None, [f"{k}={v}" for k, v in TINY_SETTINGS.items()] + ["train.stages=tokenizer,world"])
+    p = M.plan(cfg, device=CPU)
+    tok, world = p.stages["tokenizer"], p.stages["world"]
+    cuda = M.Plan("cuda:0", p.data_words, 0, False, p.stages, 0, 1)
+    assert cuda.expected_peak("tokenizer") == tok.device and cuda.expected_peak("world") == world.device
+    assert p.expected_peak("world") == p.baseline + max(p.data_host if p.data_in_process else 0,
+                                                         tok.device + tok.host_in_process,
+                                                         world.device + world.host_in_process)

@@ -113,9 +113,9 @@ def test_a_grid_too_large_for_any_memory_is_refused_before_generating(tmp_path, 
 def test_a_data_set_too_large_for_any_disk_is_refused_before_generating(tmp_path, monkeypatch):
     never_generates(monkeypatch)
     cfg = syn(tmp_path / "cache", train_scenes=10 ** 9, val_scenes=6, frames=40, format="memmap")
-    msg = refused(cfg, (64, 64, 8))  # a scene is small; a billion of them 2.4 PiB of memmap shards
+    msg = refused(cfg, (64, 64, 8))  # a scene is small; a billion of them 1.3 PiB of memmap shards (masks as bits)
     assert msg.startswith("config key 'data.grid': 64x64x8 with synthetic.frames=40 x 1000000006 scenes "
-                          "(synthetic.train_scenes + synthetic.val_scenes) needs 2.3 PiB of disk in "), msg
+                          "(synthetic.train_scenes + synthetic.val_scenes) needs 1.3 PiB of disk in "), msg
     assert f"of disk in {tmp_path / 'cache'}, which has " in msg and " free; lower them, or set synthetic.cache_dir" in msg, msg
 
 

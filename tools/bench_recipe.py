@@ -242,8 +242,8 @@ def merged(rep: dict) -> dict:
             m.setdefault(k, a.get(k, b.get(k)))
         if a.get("first_step_s") is not None:
             m["first_step_s"] = a["first_step_s"]  # a fresh compile
-        if b.get("first_step_s") is not None:
-            m["resume_first_step_s"] = b["first_step_s"]
+            if b.get("first_step_s") is not None:  # a stage the first run never reached has no resume figure
+                m["resume_first_step_s"] = b["first_step_s"]
         out[stage] = {k: v for k, v in m.items() if v is not None}
     if "token_cache_s" not in out and "token_cache_s" in rep.get("resume", {}):
         out.update({k: rep["resume"][k] for k in ("token_cache_frames", "token_cache_frames_per_s", "token_cache_s")})

@@ -156,6 +156,13 @@ def load(run_dir: Path, device: torch.device, say, kind: str = "train") -> bool:
     return True
 
 
+def misses() -> int:
+    """Graphs Inductor compiled so far in this process because its caches did not hold them."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_miss"]
+
+
 def save(run_dir: Path, device: torch.device, say, kind: str = "train") -> None:
     """Write what this process compiled so far for this machine kind (rank 0; atomic)."""
     got = torch.compiler.save_cache_artifacts()

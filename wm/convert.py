@@ -18,7 +18,8 @@ bit 1 (value 2) = observed by the lidar (Occ3D `mask_lidar`). `--mask camera` or
 stores just that bit, so `mask != 0` (what wm.data / wm.metrics use with data.use_mask) is exactly
 that mask; `--mask both` (the default) stores both bits, and `mask != 0` is then their union (select
 one with `mask & 1` / `mask & 2`). Every manifest shard entry says which bits it holds:
-`"mask_bits": {"camera": 1, "lidar": 2}`.
+`"mask_bits": {"camera": 1, "lidar": 2}`. Memmap shards store just those bits, one bit plane each
+(wm/shards.py); a mask value outside them is refused.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def _write_shard(job: tuple) -> tuple[Optional[dict], list[dict], np.ndarray]:
     path = Path(out) / task.name
     skipped, added = [], 0
     hist = np.zeros(info.num_classes, np.int64)
-    with ShardWriter(path, kind, info, compression=compression, overwrite=True) as w:
+    with ShardWriter(path, kind, info, compression=compression, overwrite=True,
+                     mask_bits=extra.get("mask_bits")) as w:
         for spec in task.specs:
             try:
                 occ, mask = read_scene(spec, info)
@@ -126,8 +128,10 @@ def _write_shard(job: tuple) -> tuple[Optional[dict], list[dict], np.ndarray]:
     return {**entry, "split": task.split, **extra}, skipped, hist
 
 
-def _shard_contents(path: Path, kind: str, info: DatasetInfo, compression: str) -> Optional[tuple[list[str], int]]:
-    """(scene names, frames) of a finished shard if it was written with these settings, else None."""
+def _shard_contents(path: Path, kind: str, info: DatasetInfo,
+                    compression: str) -> Optional[tuple[list[str], int, dict]]:
+    """(scene names, frames, its mask storage fields for the entry) of a finished shard if it was
+    written with these settings, else None."""
     try:
         if kind == "hdf5":
             import h5py
@@ -149,7 +153,8 @@ def _shard_contents(path: Path, kind: str, info: DatasetInfo, compression: str) 
         same = ([int(g) for g in a["grid"]] == list(info.grid) and int(a["num_classes"]) == info.num_classes
                 and bool(a["has_mask"]) == info.has_mask
                 and json.loads(a["class_names"]) == list(info.class_names))
-        return (list(names), frames) if same else None
+        storage = {k: a[k] for k in ("mask_storage", "mask_planes") if k in a and info.has_mask}
+        return (list(names), frames, storage) if same else None
     except Exception:  # unreadable or foreign: it is rewritten
         return None
 
@@ -252,7 +257,8 @@ def convert(out: str | os.PathLike, info: DatasetInfo, order: dict[str, list[str
                 got = _shard_contents(p, kind, info, compression)
                 if got is not None and got[0] == want and want:
                     entries[t.name] = {"path": t.name, "kind": kind, "scenes": len(want), "frames": got[1],
-                                       "bytes": _size(p), "sha256": shard_sha256(p), "split": t.split, **extra}
+                                       "bytes": _size(p), "sha256": shard_sha256(p), **got[2], "split": t.split,
+                                       **extra}
                     continue
                 why = "is unreadable or was written with other settings" if got is None else \
                     f"holds {len(got[0])} scenes, the plan has {len(want)}"

@@ -382,6 +382,7 @@ class StageLoop:
         self.step_fn, self.compiling = make_step(stage, self.parts, cfg, self.device, self.dtype, d, self.run.say)
         # a resume on a fresh machine of this kind reuses what the first process compiled
         self.cached = self.compiling and compile_cache.load(self.run.dir, self.device, self.run.say)
+        self.misses = compile_cache.misses()  # a loaded cache may hold none of this stage's graphs
         self.next_batch = BatchStream(self.loader, self.sampler, self.batch * d.world_size)
         self.t_last, self.samples_since, self.wait_since = time.perf_counter(), 0, 0.0
         self.t_start, self.step_start = time.perf_counter(), self.step
@@ -405,6 +406,7 @@ class StageLoop:
                   save=step % cfg.checkpoint.every == 0 or step == total)
         if step == self.step_start + 1:
             first = time.perf_counter() - self.t_last
+            self.cached = self.cached and compile_cache.misses() == self.misses
             self.run.say(f"{self.stage.name}: first step {first:.1f} s" + (
                 "" if not self.compiling else " (torch.compile, from the run's compile cache)" if self.cached
                 else " (torch.compile compiling)"))

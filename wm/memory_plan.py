@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import math
 import os
 import resource
@@ -116,11 +117,12 @@ class Plan:
 
     def expected_peak(self, name: str) -> int:
         """The process's peak by stage `name`'s first step, as `measured_peak` reads it: on CUDA the
-        device bytes allocated since the start, on a CPU the resident bytes."""
+        stage's own device bytes (`release` resets the peak between stages), on a CPU the resident
+        bytes since the start (a process's peak RSS cannot be reset)."""
+        if not self.on_cpu:
+            return self.stages[name].device
         names = list(self.stages)
         ran = names[: names.index(name) + 1]
-        if not self.on_cpu:
-            return max(self.stages[n].device for n in ran)
         gen = self.data_host if self.data_in_process else 0
         return self.baseline + max([gen] + [self.stages[n].device + self.stages[n].host_in_process for n in ran])
 
@@ -292,8 +294,10 @@ def _synthetic(cfg: Config) -> tuple[str, int, bool, int]:
     data set (wm/synthetic.py: one scene per generating process, shards of 8 scenes)."""
     sc, vox = cfg.synthetic, math.prod(cfg.data.grid)
     scenes = sc.train_scenes + sc.val_scenes
-    per_frame = vox * (2 if sc.with_mask else 1)
-    scene = sc.frames * per_frame
+    # memmap shards store the 0/1 mask as one bit a voxel, HDF5 as a byte (before compression)
+    mask = (-(-vox // 8) if sc.format == "memmap" else vox) if sc.with_mask else 0
+    per_frame = vox + mask
+    scene = sc.frames * vox * (2 if sc.with_mask else 1)  # generated as bytes in memory
     procs = min(default_workers(scenes * sc.frames * vox), scenes)
     peak = scene_memory(cfg.data.grid, sc.frames, sc.with_mask, sc.style)
     # several processes: each holds its scene, and the writing parent one received (pickle and arrays)
@@ -544,6 +548,15 @@ def start(cfg: Config, d: D.Dist, device: torch.device, dtype, fresh: bool = Fal
 
 # ---------------------------------------------------------------------------------------------
 # after the first step: the estimate against what it took
+
+
+def release(device: torch.device) -> None:
+    """After a stage: what it left unreferenced is freed (cycles too) and handed back to the driver,
+    and on CUDA the peak starts again, so the next stage's first-step line is its own."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def measured_peak(device: torch.device) -> tuple[int, str]:

@@ -14,10 +14,23 @@ import numpy as np
 
 from wm.atomic import publish, tmp_path
 from wm.errors import DataError
-from wm.shards import (DEFAULT_COMPRESSION, FORMAT, KINDS, VERSION, DatasetInfo, h5_compression, shard_sha256,
-                       shard_size)
+from wm.shards import (DEFAULT_COMPRESSION, FORMAT, KINDS, MASK_FILES, VERSION, DatasetInfo, h5_compression,
+                       mask_planes, pack_mask, packed_bytes, shard_sha256, shard_size)
 
 __all__ = ["ShardWriter"]
+
+
+def _check_mask_values(mask: np.ndarray, planes: tuple[int, ...], declared: Optional[dict], where: str) -> None:
+    """Every mask value is a combination of the declared flag bits (what bit planes can hold)."""
+    union = sum(planes)
+    outside = np.bitwise_and(mask, np.uint8(255 ^ union))
+    if not outside.any():
+        return
+    frame = int(np.argmax(outside.reshape(len(mask), -1).any(1)))
+    value = int(mask[frame].flat[int(np.argmax(outside[frame].reshape(-1) != 0))])
+    said = f"the declared mask_bits {declared}" if declared else "a 0/1 mask (no mask_bits declared)"
+    raise DataError(f"{where}: mask value {value} at frame {frame} is outside {said}, whose flag values are "
+                    f"{list(planes)}; write only those bits, or declare every flag bit the masks use in mask_bits")
 
 
 def _check_scene(info: DatasetInfo, name: str, occ, pose, timestamp, mask, path: Path) -> None:
@@ -97,11 +110,23 @@ class ShardWriter:
     entry. Used as a context manager, an exception removes the temporary and writes nothing."""
 
     def __init__(self, path: str | os.PathLike, kind: str, info: DatasetInfo,
-                 compression: str = DEFAULT_COMPRESSION, overwrite: bool = False, checksum: bool = True):
+                 compression: str = DEFAULT_COMPRESSION, overwrite: bool = False, checksum: bool = True,
+                 mask_bits: Optional[dict] = None):
+        """mask_bits: {name: flag value} the masks use (the manifest entry's mask_bits, e.g. Occ3D's
+        {"camera": 1, "lidar": 2}); None for a 0/1 mask. A memmap shard stores one bit plane per
+        flag bit and refuses other values; HDF5 stores the uint8 bytes (checked where declared)."""
         if kind not in KINDS:
             raise DataError(f"shard kind {kind!r} must be one of {list(KINDS)}")
         comp = h5_compression(compression, f"writing {path} with {compression}") if kind == "hdf5" else {}
         self.path, self.kind, self.info, self.compression = Path(path), kind, info, compression
+        self.mask_bits = dict(mask_bits) if mask_bits else None
+        try:
+            self.planes = mask_planes(self.mask_bits)
+        except DataError as e:
+            raise DataError(f"{self.path}: {e}") from None
+        # what the manifest entry and attrs.json say of the mask's storage (nothing: uint8 bytes)
+        self.mask_entry = ({"mask_storage": "bits", "mask_planes": list(self.planes)}
+                           if kind == "memmap" and info.has_mask else {})
         if self.path.exists() and not overwrite:
             raise DataError(f"{self.path} already exists; choose another folder or remove it first")
         self.tmp = tmp_path(self.path)
@@ -141,7 +166,8 @@ class ShardWriter:
                         "pose": _NpyAppender(self.tmp / "pose.npy", np.float64, (4, 4)),
                         "timestamp": _NpyAppender(self.tmp / "timestamp.npy", np.int64, ())}
             if info.has_mask:
-                self.app["mask"] = _NpyAppender(self.tmp / "mask.npy", np.uint8, info.grid)
+                self.app["mask"] = _NpyAppender(self.tmp / MASK_FILES["bits"], np.uint8,
+                                                (len(self.planes), packed_bytes(info.grid)))
 
     def add_scene(self, name: str, occ: np.ndarray, pose: np.ndarray, timestamp: np.ndarray,
                   mask: Optional[np.ndarray] = None) -> None:
@@ -149,7 +175,9 @@ class ShardWriter:
         arrays = {"occ": occ, "pose": np.asarray(pose, np.float64),
                   "timestamp": np.asarray(timestamp, np.int64)}
         if mask is not None:
-            arrays["mask"] = mask
+            if self.kind == "memmap" or self.mask_bits:
+                _check_mask_values(mask, self.planes, self.mask_bits, f"{self.path}: scene {name!r}")
+            arrays["mask"] = pack_mask(mask, self.planes) if self.kind == "memmap" else mask
         n = occ.shape[0]
         if self.kind == "hdf5":
             for k, a in arrays.items():
@@ -185,14 +213,15 @@ class ShardWriter:
                 a.close()
             np.save(self.tmp / "scene_offsets.npy", offsets)
             (self.tmp / "scene_names.json").write_text(json.dumps(self.names))
-            attrs = _attrs(self.info)
+            attrs = {**_attrs(self.info), **self.mask_entry}
             (self.tmp / "attrs.json").write_text(json.dumps(attrs, indent=1, sort_keys=True))
         if self.path.exists():  # overwrite=True
             _remove(self.path)
         publish(self.tmp, self.path)
         self.closed = True
         return {"path": self.path.name, "kind": self.kind, "scenes": len(self.names),
-                "frames": self.n, "bytes": shard_size(self.path), "sha256": shard_sha256(self.path)}
+                "frames": self.n, "bytes": shard_size(self.path), "sha256": shard_sha256(self.path),
+                **self.mask_entry}
 
     def abort(self) -> None:
         if self.kind == "hdf5":

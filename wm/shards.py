@@ -6,7 +6,12 @@
   (S,). File attributes repeat grid, classes and encoding so a lone shard describes itself.
 - memmap shard (a folder `*.mm`): the same arrays as `.npy` files read with
   `np.load(mmap_mode="r")`, plus `scene_names.json` and `attrs.json`. Uncompressed, for local
-  NVMe where read speed is everything.
+  NVMe where read speed is everything. The mask is stored as bits (`mask.bits.npy`, uint8
+  (N, k, ceil(X*Y*Z/8))): one np.packbits plane (little bit order, over the flattened voxels) per
+  flag bit the shard declares; the entry (and attrs.json) says `"mask_storage": "bits"` and
+  `"mask_planes"` (the flag value of each plane, e.g. [1, 2] for Occ3D's camera | lidar). An
+  entry without mask_storage is a `mask.npy` of uint8 bytes (older data sets). Readers
+  return the same uint8 flag values either way.
 
 `manifest.json` lists every shard (path, kind, split, scenes, frames, bytes, sha256) and the data
 set's facts; its canonical sha256 is the data set's fingerprint. A data set may mix both kinds.
@@ -137,6 +142,51 @@ def check_moving(moving, class_names, free_class: int, where: str) -> None:
             raise DataError(f"{where}: {n!r} is named twice")
 
 
+MASK_STORAGES = ("bytes", "bits")
+MASK_FILES = {"bytes": "mask.npy", "bits": "mask.bits.npy"}
+
+
+def mask_planes(mask_bits: dict | None) -> tuple[int, ...]:
+    """The flag values stored as bit planes: every bit set in the declared `mask_bits` values
+    ({name: value}), lowest first; a plain 0/1 mask (nothing declared) is the one plane 1."""
+    union = 0
+    for name, v in (mask_bits or {}).items():
+        if not (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 255):
+            raise DataError(f"mask_bits {name!r}: {v!r} must be a flag value in 1..255 (bits of the uint8 mask)")
+        union |= v
+    return tuple(1 << b for b in range(8) if union >> b & 1) or (1,)
+
+
+def packed_bytes(grid) -> int:
+    """Bytes of one bit plane of one frame."""
+    return (int(np.prod(grid)) + 7) // 8
+
+
+def pack_mask(mask: np.ndarray, planes: tuple[int, ...]) -> np.ndarray:
+    """(n, X, Y, Z) uint8 flags -> (n, k, ceil(XYZ/8)) uint8: plane j holds the bit planes[j]."""
+    flat = mask.reshape(len(mask), -1)
+    return np.stack([np.packbits(flat & v, axis=1, bitorder="little") for v in planes], 1)
+
+
+def unpack_mask(packed: np.ndarray, planes: tuple[int, ...], grid) -> np.ndarray:
+    """pack_mask's inverse: (n, k, nb) uint8 planes -> (n, X, Y, Z) uint8 flags, a fresh array."""
+    n, nb, voxels = packed.shape[0], packed.shape[2], int(np.prod(grid))
+    if tuple(planes) == (1,):  # a 0/1 mask: numpy's unpacking is all there is to do
+        return np.unpackbits(packed[:, 0], axis=1, count=voxels, bitorder="little").reshape(n, *grid)
+    out = np.empty((n, nb), np.uint64)
+    for i in range(n):  # a frame at a time: small temporaries are reused, fresh big ones page-fault
+        for j, v in enumerate(planes):
+            # 0/1 bytes as uint64 words: one shift moves 8 voxels' bits
+            w = np.unpackbits(packed[i, j], bitorder="little").view(np.uint64)
+            if v != 1:
+                np.left_shift(w, np.uint64(v.bit_length() - 1), out=w)
+            if j:
+                np.bitwise_or(out[i], w, out=out[i])
+            else:
+                out[i] = w
+    return np.ascontiguousarray(out.view(np.uint8).reshape(n, nb * 8)[:, :voxels]).reshape(n, *grid)
+
+
 def shard_size(p: Path) -> int:
     """Bytes of a shard file, or of a memmap folder's files."""
     return sum(f.stat().st_size for f in p.iterdir()) if p.is_dir() else p.stat().st_size
@@ -262,6 +312,19 @@ ENTRY = {"path": ("a path inside the data set folder (a string)", lambda v: isin
          "sha256": ("64 hex digits", lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-fA-F]{64}", v) is not None)}
 
 
+FLAGS = tuple(1 << b for b in range(8))
+
+
+def _planes_ok(v) -> bool:
+    return (isinstance(v, list) and 1 <= len(v) <= 8 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                           and x in FLAGS for x in v) and v == sorted(set(v)))
+
+
+# optional fields of a shard entry: absent means the mask is uint8 bytes (mask.npy, or HDF5's field)
+ENTRY_MASK = {"mask_storage": (f"one of {list(MASK_STORAGES)}", lambda v: isinstance(v, str) and v in MASK_STORAGES),
+              "mask_planes": ("a list of distinct flag values (1, 2, 4, ..., 128), lowest first", _planes_ok)}
+
+
 def _check_entry(p: Path, i: int, s) -> None:
     """One shard entry of manifest.json has every field, each of its type: DataError naming the entry and field."""
     if not isinstance(s, dict):
@@ -273,6 +336,14 @@ def _check_entry(p: Path, i: int, s) -> None:
         if not ok(s[k]):
             raise DataError(f"{p}: {name} field '{k}' is {_short(s[k])}, expected {what}; the manifest is "
                             "damaged, re-create the data set")
+    for k, (what, ok) in ENTRY_MASK.items():
+        if k in s and not ok(s[k]):
+            raise DataError(f"{p}: {name} field '{k}' is {_short(s[k])}, expected {what}; the manifest is "
+                            "damaged, re-create the data set")
+    if s.get("mask_storage") == "bits" and (s["kind"] != "memmap" or "mask_planes" not in s):
+        why = "has no field 'mask_planes'" if s["kind"] == "memmap" else "is an HDF5 shard (its mask is bytes)"
+        raise DataError(f"{p}: {name} says mask_storage 'bits' but {why}; the manifest is damaged, "
+                        "re-create the data set")
 
 
 def _short(v, n: int = 60) -> str:
@@ -323,6 +394,8 @@ class Shard:
         self._mm: dict[str, np.ndarray] = {}
         self._opened: dict = {}  # field: (shape, dtype) as checked at open; a reading process holds its file to it
         self.compression, self.needs_plugin = "none", False
+        self.mask_storage = entry.get("mask_storage", "bytes")
+        self.mask_planes = tuple(entry.get("mask_planes", ()))
         if not self.path.exists():
             raise DataError(f"shard {self.path} is missing (listed in {Path(root) / MANIFEST}); "
                             "restore it or re-create the data set")
@@ -378,7 +451,13 @@ class Shard:
         for k, (shape, dtype) in big.items():
             if dtype != np.uint8:
                 raise DataError(f"{where}: field '{k}' has dtype {dtype}, expected uint8")
-            if tuple(shape[1:]) != self.info.grid:
+            if k == "mask" and self._bits:
+                want = (len(self.mask_planes), packed_bytes(self.info.grid))
+                if tuple(shape[1:]) != want:
+                    raise DataError(f"{where}: field 'mask' ({self._file_of(k)}) frames are {tuple(shape[1:])}, "
+                                    f"expected {want} ({want[0]} bit planes of the grid {self.info.grid}); "
+                                    "the shard does not match its manifest entry: re-create the data set")
+            elif tuple(shape[1:]) != self.info.grid:
                 raise DataError(f"{where}: field '{k}' frames are {tuple(shape[1:])}, but the manifest "
                                 f"grid is {self.info.grid}")
             n = shape[0] if n is None else n
@@ -433,14 +512,22 @@ class Shard:
                             f"{was[1]}{tuple(was[0])} when the data set was opened (the shard was replaced while "
                             "in use); start again, so that it is checked")
 
+    @property
+    def _bits(self) -> bool:
+        return self.kind == "memmap" and self.mask_storage == "bits"
+
+    def _file_of(self, k: str) -> str:
+        return MASK_FILES[self.mask_storage] if k == "mask" else f"{k}.npy"
+
     def _npy(self, k: str) -> np.ndarray:
-        p = self.path / f"{k}.npy"
+        name = self._file_of(k)
+        p = self.path / name
         if not p.is_file():
-            raise DataError(f"shard {self.path}: field '{k}' is missing ({k}.npy)")
+            raise DataError(f"shard {self.path}: field '{k}' is missing ({name})")
         try:
             return np.load(p, mmap_mode="r")
         except (OSError, ValueError) as e:
-            raise DataError(f"shard {self.path}: field '{k}' ({k}.npy) cannot be read ({first_line(e)}); "
+            raise DataError(f"shard {self.path}: field '{k}' ({name}) cannot be read ({first_line(e)}); "
                             "it is truncated or corrupt: run tools/inspect_data.py --verify and "
                             "re-create it") from None
 
@@ -459,6 +546,8 @@ class Shard:
                 a = self._npy(field)
                 self._as_opened(field, a.shape, a.dtype)
                 self._mm[field] = a
+            if field == "mask" and self._bits:
+                return unpack_mask(self._mm[field][start:stop:step], self.mask_planes, self.info.grid)
             return np.array(self._mm[field][start:stop:step])
         except DataError:
             raise

@@ -22,7 +22,7 @@ from wm import synthetic_airside, synthetic_blocks, synthetic_occ3d
 from wm.atomic import free_space, mib, tmp_path
 from wm.errors import ConfigError, DataError
 from wm.shard_writer import ShardWriter
-from wm.shards import DEFAULT_COMPRESSION, DatasetInfo, Manifest, load_manifest
+from wm.shards import DEFAULT_COMPRESSION, DatasetInfo, Manifest, load_manifest, packed_bytes
 from wm.synthetic_road import DT
 
 RANGE = (-40.0, -40.0, -1.0, 40.0, 40.0, 5.4)
@@ -334,7 +334,9 @@ def check_resources(cfg, grid, base: Path, log=print) -> int:
     more scenes at once would not fit the memory available."""
     voxels = int(np.prod([int(g) for g in grid]))
     scenes = cfg.train_scenes + cfg.val_scenes
-    scene = cfg.frames * voxels * (2 if cfg.with_mask else 1) + cfg.frames * (16 * 8 + 8)  # + pose, timestamp
+    # memmap shards store the 0/1 mask as one bit a voxel, HDF5 as a byte a voxel (before compression)
+    mask = (packed_bytes(grid) if cfg.format == "memmap" else voxels) if cfg.with_mask else 0
+    scene = cfg.frames * (voxels + mask) + cfg.frames * (16 * 8 + 8)  # + pose, timestamp
     what = f"{'x'.join(map(str, grid))} with synthetic.frames={cfg.frames}"
     total, avail = memory()
     per = scene_memory(grid, cfg.frames, cfg.with_mask, cfg.style)

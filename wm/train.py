@@ -217,6 +217,8 @@ def main(argv=None, stop: Optional[Preemption] = None) -> int:
                 t_stage = time.perf_counter()  # the stage's time includes building it (the token cache)
                 stage = TokenizerStage(run) if name == "tokenizer" else WorldStage(run, device, dtype)
                 results[name] = fit(run, stage, device, dtype, stop, t_stage)
+                del stage  # the next stage must not hold this one's model, optimizer and captured graphs
+                memory_plan.release(device)
             times = stage_times(run, results)
             run.log.scalars(0, {"run/gpu_hours": times["run"]["gpu_hours"]}, kind="run")
             status = "success"
