@@ -289,3 +289,41 @@ class ConfusionMatrix:
             "miou_avg": _json(_finite_mean(mi[idx])),
             "per_class_avg": [_json(_finite_mean(pc[idx, k])) for k in range(self.num_classes)],
         }
+
+
+# ---- paired bootstrap over groups of windows ----------------------------------------------------
+
+
+def resample_weights(n: int, resamples: int, seed: int = 0) -> Tensor:
+    """(resamples, n) float64: how many times each of `n` groups is drawn in each bootstrap resample
+    (n draws with replacement), from a generator seeded with `seed`, so a report is reproducible."""
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randint(n, (resamples, n), generator=g)
+    ones = torch.ones(resamples, n, dtype=torch.float64)
+    return torch.zeros(resamples, n, dtype=torch.float64).scatter_add_(1, pick, ones)
+
+
+def resampled_ious(counts: Tensor, weight: Tensor, free: int, mode: str = "exclude") -> tuple[Tensor, Tensor]:
+    """IoU and mIoU (percent), each (resamples, S), of every resample: the groups' counts
+    (G, S, C, C) summed with that resample's weights (resamples, G), then scored as one set (a
+    ratio of sums, never a mean of per-group IoUs)."""
+    r, (g, s, c) = weight.shape[0], (counts.shape[0], counts.shape[1], counts.shape[-1])
+    boot = torch.einsum("bw,wx->bx", weight, counts.reshape(g, -1).double()).reshape(r * s, c, c)
+    return binary_iou(boot, free, mode).view(r, s), miou(boot, free, mode).view(r, s)
+
+
+def paired_bootstrap(a: Tensor, b: Tensor, free: int, mode: str = "exclude", resamples: int = 1000,
+                     seed: int = 0) -> Optional[dict[str, Tensor]]:
+    """The bootstrap distribution of b - a, in points: {"iou", "miou": (resamples, S) per future step,
+    "iou_avg", "miou_avg": (resamples,) their mean over the steps}. a, b: (G, S, C, C) counts of the
+    same G groups (windows, or scenes: whatever may be drawn independently) under two models. Paired:
+    each resample draws the same groups for both, so what both get wrong alike cancels out of the
+    difference. None with fewer than two groups (no spread to resample)."""
+    if a.shape != b.shape:
+        raise ValueError(f"paired counts must have one shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[0] < 2:
+        return None
+    weight = resample_weights(a.shape[0], resamples, seed)
+    (a_iou, a_miou), (b_iou, b_miou) = resampled_ious(a, weight, free, mode), resampled_ious(b, weight, free, mode)
+    d_iou, d_miou = b_iou - a_iou, b_miou - a_miou
+    return {"iou": d_iou, "miou": d_miou, "iou_avg": d_iou.nanmean(1), "miou_avg": d_miou.nanmean(1)}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from typing import Optional
 
@@ -29,7 +30,7 @@ from wm.atomic import write_bytes
 from wm.checkpoint import read_json
 from wm.config import Config, load as load_config, to_dict
 from wm.datastats import moving_classes
-from wm.errors import WMError
+from wm.errors import WMError, first_line
 from wm.evaluate import evaluate_run
 from wm.horizons import print_plan
 from wm.loop import Preempted, Preemption, fit
@@ -170,6 +171,16 @@ def report(run: Run, cfg: Config, results: dict, times: dict, t0: float) -> None
     write_bytes(run.dir / "summary.json", json.dumps(summary, indent=1))
 
 
+def end_record(run: Run, ended: Optional[str], e: Optional[BaseException]) -> None:
+    """The run's last line in metrics.jsonl (rank 0): {"kind": "run/end", "status": finished, preempted,
+    failed (an exception) or stopped (Ctrl-C, an exit), "error": its one line}; tools/runs.py reads it."""
+    status = ended or ("failed" if e is None or isinstance(e, Exception) else "stopped")
+    rec = {"status": status, "time": round(time.time(), 3)}
+    if e is not None:
+        rec["error"] = (first_line(e) if isinstance(e, WMError) else f"{type(e).__name__}: {first_line(e)}")[:300]
+    run.log.record(0, "run/end", rec)
+
+
 def main(argv=None, stop: Optional[Preemption] = None) -> int:
     """train.py. `stop`: the preemption flag SIGTERM/SIGINT set (a fresh one unless given)."""
     args = parse_args(argv)
@@ -189,7 +200,7 @@ def main(argv=None, stop: Optional[Preemption] = None) -> int:
     if not args.eval_only:  # evaluation keeps the default Ctrl-C: nothing to save
         stop.install()
     d = D.init(cfg.train.device, cfg.ddp.timeout_s)
-    broken, run = False, None
+    broken, run, ended = False, None, None
     try:
         device = d.device
         dtype = amp_dtype(cfg, device)
@@ -223,7 +234,7 @@ def main(argv=None, stop: Optional[Preemption] = None) -> int:
             run.log.scalars(0, {"run/gpu_hours": times["run"]["gpu_hours"]}, kind="run")
             status = "success"
         except Preempted:
-            status = None  # no session end: the resume's is the one TensorBoard keeps (see hparams_end)
+            status, ended = None, "preempted"  # no session end: the resume's is the one TensorBoard keeps
             return 0
         except (torch.distributed.DistError, RuntimeError) as e:
             if not d.active or not _collective_failure(e):
@@ -236,12 +247,14 @@ def main(argv=None, stop: Optional[Preemption] = None) -> int:
         finally:
             if status:
                 run.log.hparams_end(status)
-            run.log.close()
         if d.is_main:
             report(run, cfg, results, times, t0)
+        ended = "finished"  # after summary.json: a finished record means the figures are on disk
         return 0
     finally:
         if run is not None:
+            end_record(run, ended, sys.exc_info()[1])
+            run.log.close()
             run.close()  # the lock goes last: nothing of this run is written after it
         if not broken:
             D.close(d)

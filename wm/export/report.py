@@ -435,33 +435,23 @@ def drop_se(per_window: Mapping[str, torch.Tensor], free: int, ref: str = "pytor
             resamples: int = 1000, seed: int = 0) -> dict[str, dict]:
     """{row: {"drop_iou_avg_se", "drop_miou_avg_se": standard error of the averaged drop,
     "drop_iou_se", "drop_miou_se": [one per future step]}} in points (None with fewer than two
-    windows), by a paired bootstrap: the same resampled windows for the reference and the row, so
-    what both get wrong alike cancels. per_window: {row: (W, S, C, C) confusion counts of each
-    held-out window}."""
-    from wm.metrics import binary_iou, miou
+    windows), by a paired bootstrap (wm.metrics.paired_bootstrap): the same resampled windows for
+    the reference and the row, so what both get wrong alike cancels. per_window: {row: (W, S, C, C)
+    confusion counts of each held-out window}."""
+    from wm.metrics import paired_bootstrap
 
-    counts = per_window[ref]
-    w, s, c = counts.shape[0], counts.shape[1], counts.shape[-1]
-    if w < 2:
-        return {v: {"drop_iou_avg_se": None, "drop_miou_avg_se": None, "drop_iou_se": [None] * s,
-                    "drop_miou_se": [None] * s} for v in per_window}
-    g = torch.Generator().manual_seed(seed)
-    pick = torch.randint(w, (resamples, w), generator=g)
-    weight = torch.zeros(resamples, w, dtype=torch.float64).scatter_add_(1, pick, torch.ones(resamples, w, dtype=torch.float64))
-
-    def per_step(cnt):  # (W, S, C, C) -> two (resamples, S) tensors: IoU and mIoU of each step
-        boot = torch.einsum("bw,wx->bx", weight, cnt.reshape(w, -1).double()).reshape(resamples * s, c, c)
-        return binary_iou(boot, free).view(resamples, s), miou(boot, free).view(resamples, s)
-
-    def se(d):  # (resamples, S) drops -> (SE of the steps' average, [SE of each step])
-        return _num(float(d.nanmean(1).std())), [_num(float(x)) for x in d.std(0)]
-
-    r_iou, r_miou = per_step(counts)
     out = {}
     for v, cnt in per_window.items():
-        v_iou, v_miou = per_step(cnt)
-        (ia, i), (ma, m) = se(r_iou - v_iou), se(r_miou - v_miou)
-        out[v] = {"drop_iou_avg_se": ia, "drop_miou_avg_se": ma, "drop_iou_se": i, "drop_miou_se": m}
+        d = paired_bootstrap(cnt, per_window[ref], free, resamples=resamples, seed=seed)  # ref - row
+        if d is None:
+            s = cnt.shape[1]
+            out[v] = {"drop_iou_avg_se": None, "drop_miou_avg_se": None, "drop_iou_se": [None] * s,
+                      "drop_miou_se": [None] * s}
+            continue
+        out[v] = {"drop_iou_avg_se": _num(float(d["iou_avg"].std())),
+                  "drop_miou_avg_se": _num(float(d["miou_avg"].std())),
+                  "drop_iou_se": [_num(float(x)) for x in d["iou"].std(0)],
+                  "drop_miou_se": [_num(float(x)) for x in d["miou"].std(0)]}
     return out
 
 
