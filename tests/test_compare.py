@@ -60,6 +60,7 @@ def test_a_run_against_itself_is_same_and_every_output_is_written(runs, tmp_path
     md = tmp_path / "cmp.md"
     rc, rep = gate(runs, tmp_path, runs.short, runs.short, "--markdown", str(md), "--tolerance", "0")
     assert rc == 0 and rep["passed"] and rep["failed"] == []
+    assert torch.is_grad_enabled()  # the caller's grad mode is left as it was (tests train after it)
     assert rep["data"]["windows"] == 54 and rep["data"]["scenes"] == 6
     for name, m in rep["metrics"].items():  # identical forecasts: 0 in every resample
         assert (m["delta"], m["lo"], m["hi"], m["se"], m["verdict"]) == (0.0, 0.0, 0.0, 0.0, "same"), name

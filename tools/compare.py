@@ -133,14 +133,14 @@ def main(argv=None) -> int:
 
     from wm.compare import compare, format_markdown, format_table, load_model, parse_metrics
 
-    torch.set_grad_enabled(False)
-    dev, dtype = device_and_dtype(a.device, a.amp)
-    base = load_model(a.baseline, "baseline", dev, dtype, a.export_files)
-    cand = load_model(a.candidate, "candidate", dev, dtype, a.export_files)
-    metrics = parse_metrics(a.metrics, cand.cfg.data.future)
-    rep = compare(base, cand, data=a.data, split=a.split, windows=a.windows, mask=a.mask, mode=a.mode,
-                  tolerance=a.tolerance, confidence=a.confidence, resamples=a.resamples, seed=a.seed,
-                  metrics=metrics, strict=a.strict, batch=a.batch, workers=a.workers)
+    with torch.no_grad():  # scoring only; a caller's grad mode is left as it was
+        dev, dtype = device_and_dtype(a.device, a.amp)
+        base = load_model(a.baseline, "baseline", dev, dtype, a.export_files)
+        cand = load_model(a.candidate, "candidate", dev, dtype, a.export_files)
+        metrics = parse_metrics(a.metrics, cand.cfg.data.future)
+        rep = compare(base, cand, data=a.data, split=a.split, windows=a.windows, mask=a.mask, mode=a.mode,
+                      tolerance=a.tolerance, confidence=a.confidence, resamples=a.resamples, seed=a.seed,
+                      metrics=metrics, strict=a.strict, batch=a.batch, workers=a.workers)
     print(format_table(rep))
     md = format_markdown(rep)
     if a.json:

@@ -218,8 +218,11 @@ def worker(a) -> int:
         device = d.device
         dtype = T.amp_dtype(cfg, device)
         if a.backend != "inductor":  # CPU tests: the same capture, without Inductor's compile time
+            import wm.loop as L
+
             real = W.compiled
-            W.compiled = lambda ddp, c, inductor=None, steps=None: (
+            # the loop holds its own reference to wrappers.compiled: both are replaced
+            W.compiled = L.compiled = lambda ddp, c, inductor=None, steps=None: (
                 torch.compile(ddp, backend=a.backend) if W.compiles(c, device) else real(ddp, c, inductor, steps))
         run = Run(cfg, d)
         run.say = lambda *x, **k: None
