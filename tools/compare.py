@@ -37,20 +37,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from wm.errors import WMError, run_cli  # noqa: E402
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, its errors one line (WMError, exit 2) instead of the usage text."""
-
-    def error(self, message):
-        raise WMError(f"{message} (python tools/compare.py --help)")
+from wm.errors import ArgParser, WMError, run_cli  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     from wm.compare import DEFAULT_METRICS, EXPORT_ROWS
 
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgParser(prog="tools/compare.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", required=True, help="run folder, world checkpoint (.pt) or export folder")
     ap.add_argument("--candidate", required=True, help="run folder, world checkpoint (.pt) or export folder")
     ap.add_argument("--data", help="data set both are scored on (default: the candidate's data.root)")

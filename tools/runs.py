@@ -38,7 +38,6 @@ Exit status: 0, or 2 with one line `error: ...` (no such folder, a bad --filter,
 
 from __future__ import annotations
 
-import argparse
 import csv
 import datetime
 import fcntl
@@ -56,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from wm import runlock  # noqa: E402
-from wm.errors import WMError, first_line, run_cli  # noqa: E402
+from wm.errors import ArgParser, WMError, first_line, run_cli  # noqa: E402
 
 STAGES = ("tokenizer", "world")
 TAIL = 1 << 18  # bytes of metrics.jsonl read from its end: ~400 records (4000 steps at logging.every=10)
@@ -430,13 +429,8 @@ def render(cols: list[str], vals: list[list], fmt: str) -> str:
     return "\n".join(lines + ([""] + long if long else []))
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, as every wm tool's usage error
-        raise WMError(f"{message} (see python tools/runs.py --help)")
-
-
 def main(argv=None) -> int:
-    ap = Parser(prog="tools/runs.py", description="One table of the wm run folders under a folder.")
+    ap = ArgParser(prog="tools/runs.py", description="One table of the wm run folders under a folder.")
     ap.add_argument("runs_dir", metavar="RUNS_DIR", help="the folder holding the run folders (sweeps nest them)")
     ap.add_argument("--sort", default="name", metavar="KEY", help="a column or config key; -KEY (--sort=-KEY) "
                     "sorts descending; missing values last")

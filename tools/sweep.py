@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from wm import runlock  # noqa: E402
 from wm.atomic import write_bytes  # noqa: E402
-from wm.errors import ConfigError, Stopped, WMError, first_line, run_cli  # noqa: E402
+from wm.errors import ArgParser, ConfigError, Stopped, WMError, first_line, run_cli  # noqa: E402
 
 SWEEP_LOCK = runlock.Use("sweep.lock", "sweep folder", "sweep lock", "that sweep", "choose another --out",
                          "choose a writable --out", keep=True)
@@ -68,13 +68,8 @@ OWN = ("run.out_dir", "run.name")  # the sweep sets these itself
 IDENTITY = ("cfg", "cfg_sha256", "grids", "sets")  # what makes a sweep folder the same sweep
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        raise WMError(f"{message} (see --help)")
-
-
 def parse_args(argv):
-    ap = Parser(prog="tools/sweep.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgParser(prog="tools/sweep.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cfg", help="base config JSON (default: the built-in demo)")
     ap.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
                     help="values of one config key to sweep (repeatable: the runs are their product)")

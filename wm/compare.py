@@ -209,14 +209,6 @@ def check_same(a: Model, b: Model) -> None:
 # windows, scenes, counts
 
 
-def pick_windows(total: int, n: int) -> np.ndarray:
-    """`n` window indices spread evenly over `total` (0 or n >= total: all): the same windows as
-    data.max_windows / <stage>_stage.val_windows take (wm.data.OccWindows)."""
-    if n <= 0 or n >= total:
-        return np.arange(total, dtype=np.int64)
-    return np.linspace(0, total - 1, n).round().astype(np.int64)
-
-
 def scene_groups(ds, idx: Sequence[int]) -> tuple[list[str], list[list[int]]]:
     """The scenes of windows `idx` of `ds` (an OccWindows): their names (`<shard file>:<scene>`)
     and each one's window indices, in data order."""
@@ -461,7 +453,7 @@ def compare(a: Model, b: Model, data: Optional[str] = None, split: Optional[str]
             batch: int = 0, workers: int = 0, log=print) -> dict:
     """Score `a` (baseline) and `b` (candidate) on the same windows and judge every metric: the
     JSON-ready report (`passed`, `failed`, `metrics`, the per-scene counts' totals...)."""
-    from wm.data import OccWindows, check_against_config, resolve_root
+    from wm.data import OccWindows, check_against_config, resolve_root, spread
     from wm.evaluate import _mask_field
     from wm.shards import load_manifest
 
@@ -485,7 +477,7 @@ def compare(a: Model, b: Model, data: Optional[str] = None, split: Optional[str]
     bits = _mask_field(mask, manifest)
     dcfg = dataclasses.replace(cfg.data, max_windows=0, use_mask=bits is not None, mask_bits=bits or 0)
     ds = OccWindows(root, split, dcfg, h5_cache_mib=cfg.loader.h5_cache_mib)
-    idx = pick_windows(len(ds), windows)
+    idx = spread(len(ds), windows)
     names, groups = scene_groups(ds, idx)
     batch = batch or cfg.world_stage.batch_size or cfg.data.batch_size
     log(f"scoring baseline {a.path} and candidate {b.path} on {len(idx)} windows in {len(groups)} scenes of "

@@ -79,6 +79,14 @@ def relative_motion(poses: np.ndarray, ref: int) -> np.ndarray:
 CONFIG_KEYS = {"past": "data.past={}", "future": "data.future={}", "stride": "data.stride={}"}
 
 
+def spread(total: int, n: int) -> np.ndarray:
+    """`n` indices spread evenly over range(total), first and last included (0 or n >= total: all):
+    the windows data.max_windows keeps, and those tools/compare.py scores."""
+    if n <= 0 or n >= total:
+        return np.arange(total, dtype=np.int64)
+    return np.linspace(0, total - 1, n).round().astype(np.int64)
+
+
 class OccWindows(Dataset):
     """The windows of one split of a data set; items are dicts of tensors:
     `occ` uint8 (T, X, Y, Z), `motion` float32 (T, 3), `mask` uint8 (T, X, Y, Z) if
@@ -100,8 +108,7 @@ class OccWindows(Dataset):
                             f"spans {cfg.span} frames, but the longest scene in split {split!r} has "
                             f"{longest}; shorten the window or the stride")
         if cfg.max_windows and cfg.max_windows < len(self.index):
-            keep = np.linspace(0, len(self.index) - 1, cfg.max_windows).round().astype(np.int64)
-            self.index = self.index[keep]
+            self.index = self.index[spread(len(self.index), cfg.max_windows)]
         self.num_classes = self.manifest.info.num_classes
 
     @property

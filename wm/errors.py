@@ -4,6 +4,8 @@ The CLIs catch `WMError`, print its message as one line and exit non-zero; anyth
 and keeps its traceback.
 """
 
+import argparse
+
 
 def first_line(e: BaseException) -> str:
     """The first line of an exception's message (its type name if the message is empty): what a
@@ -60,3 +62,11 @@ def run_cli(main) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (a WMError: exit 2 through the tool's run_cli), not
+    the usage block."""
+
+    def error(self, message):
+        raise WMError(f"{message} (see python {self.prog} --help)")
