@@ -121,6 +121,9 @@ def export(argv, progress: dict) -> int:
     ap.add_argument("--aoti-batch", type=int, default=1, help="windows per forecast of the AOTInductor package")
     ap.add_argument("--aoti-dtype", choices=("fp32", "bf16", "fp16"),
                     help="autocast of the AOTInductor package (default: bf16 on a GPU, fp32 on a CPU)")
+    ap.add_argument("--aoti-tuned", action="store_true",
+                    help="tune the package's kernels (coordinate descent, NHWC convolutions): minutes more of "
+                         "compilation, once per machine kind, for a faster forecast")
     ap.add_argument("--aoti-motion", choices=("given", "predicted"),
                     help="the package's future ego motion (default: as the run evaluates, train.forecast_motion)")
     ap.add_argument("--trt-version", default="10.3.0", help="TensorRT version in the calibration cache header")
@@ -150,6 +153,8 @@ def export(argv, progress: dict) -> int:
     t = load_trained(run, a.ckpt)
     if a.batch < 1:
         raise WMError(f"--batch must be >= 1, got {a.batch}")
+    if a.aoti_tuned and not a.aoti:
+        raise WMError("--aoti-tuned tunes the AOTInductor package's kernels: add --aoti")
     if a.aoti and a.aoti_batch < 1:
         raise WMError(f"--aoti-batch must be >= 1, got {a.aoti_batch}")
     if not a.host_memory_gib > 0:
@@ -264,7 +269,7 @@ def export(argv, progress: dict) -> int:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dtype = a.aoti_dtype or ("bf16" if device.type == "cuda" else "fp32")
         given = None if a.aoti_motion is None else a.aoti_motion == "given"
-        report["aoti"] = r = build(t, out, device, dtype, a.aoti_batch, given=given)
+        report["aoti"] = r = build(t, out, device, dtype, a.aoti_batch, given=given, tuned=a.aoti_tuned)
         print(f"{r['file']}  {r['bytes'] / 2**20:.1f} MiB  traced {r['export_s']:.1f} s, compiled {r['compile_s']:.1f} s, "
               f"loads in {r['load_s']:.2f} s; agree {r['class_agreement']:.4f} with PyTorch")
         progress["done"].append(r["file"])

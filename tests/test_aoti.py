@@ -29,9 +29,12 @@ def _inputs(f, batch=2):
 def exported(monkeypatch):
     """torch.export's program saved and loaded in place of AOTInductor's C++ compile: what is tested
     here is wm's packaging, not Inductor."""
+    options = []
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package",
-                        lambda program, package_path: torch.export.save(program, package_path) or package_path)
+                        lambda program, package_path, **kw: options.append(kw) or torch.export.save(program, package_path)
+                        or package_path)
     monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda path: torch.export.load(path).module())
+    return options
 
 
 @pytest.mark.parametrize("motion", ["given", "predicted"])
@@ -110,6 +113,11 @@ def test_a_package_of_another_machine_a_damaged_one_and_another_checkpoints_are_
         A.load_package(path, cpu)
     with pytest.raises(WMError, match="--aoti-dtype 'int8' must be one of fp32, bf16, fp16"):
         A.build(t, run / "export", cpu, "int8")
+    # a tuned package: Inductor is given the tuning options, the record says so
+    assert exported[-1] == {}
+    r = A.build(t, run / "export", cpu, "fp32", batch=1, say=lambda m: None, tuned=True)
+    assert exported[-1] == {"inductor_configs": A.TUNED} and r["tuned"] is True
+    assert json.loads(record.read_text())["tuned"] is True
 
 
 @pytest.mark.slow

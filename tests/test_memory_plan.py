@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import TINY_SETTINGS
-from wm import memory_plan as M
+from wm import activations as A, memory_plan as M
 from wm.config import load, model_options
 from wm.errors import ConfigError
 from wm.evaluate import autocast
@@ -70,11 +70,11 @@ def real_peak(cfg, name: str, micro: int, dtype=None, every=None) -> int:
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
-    batch = {k: torch.zeros(shape, dtype=dt) for k, (shape, dt) in M.batch_shapes(cfg, name, micro).items()}
+    batch = {k: torch.zeros(shape, dtype=dt) for k, (shape, dt) in A.batch_shapes(cfg, name, micro).items()}
     held = [*model.parameters(), *model.buffers(), *(p.grad for p in params), *batch.values()]
-    with M.PeakBytes(held) as peak:
+    with A.PeakBytes(held) as peak:
         with autocast(CPU, dtype):
-            out = M._loss(name, model, batch)
+            out = A._loss(name, model, batch)
         out["loss"].backward()
     return peak.peak
 
@@ -86,16 +86,16 @@ def test_activations_are_what_the_real_step_allocates(name, dtype):
     # the CPU skips, and a CPU kernel's scalar may keep a larger buffer; the attention's math path is more
     cfg = tiny("tokenizer.lovasz_weight=1")
     for every in (0, 1):
-        got, real = M.measure_step(cfg, name, 3, CPU, dtype, every), real_peak(cfg, name, 3, dtype, every)
+        got, real = A.measure_step(cfg, name, 3, CPU, dtype, every), real_peak(cfg, name, 3, dtype, every)
         assert 0.99 * real <= got <= 1.05 * real, (every, got, real)
 
 
 @pytest.mark.parametrize("name", ["tokenizer", "world"])
 def test_activations_scale_with_the_batch_and_drop_with_checkpointing(name):
     cfg = load(None, ["data.grid=32,32,8"])
-    a2, a4, a8 = (M.measure_step(cfg, name, n, CPU, None) for n in (2, 4, 8))
+    a2, a4, a8 = (A.measure_step(cfg, name, n, CPU, None) for n in (2, 4, 8))
     assert 1.8 < a4 / a2 < 2.05 and 1.9 < a8 / a4 < 2.05, (a2, a4, a8)
-    assert M.measure_step(cfg, name, 8, CPU, None, every=1) < 0.7 * a8
+    assert A.measure_step(cfg, name, 8, CPU, None, every=1) < 0.7 * a8
     s = M.stage_plan(cfg, name, 1, CPU, None)  # the plan's line carries both
     assert s.alt_every == 1 and s.alt_activations < 0.7 * s.activations
 
@@ -106,7 +106,7 @@ def test_a_value_dependent_size_is_planned_at_its_largest():
     s = M.stage_plan(cfg, "tokenizer", 1, CPU, None)
     assert s.error == "" and s.activations > 0
     real = real_peak(cfg, "tokenizer", 2)  # zeros: every voxel visible, the largest selection
-    assert 0.99 * real <= M.measure_step(cfg, "tokenizer", 2, CPU, None) <= 1.05 * real
+    assert 0.99 * real <= A.measure_step(cfg, "tokenizer", 2, CPU, None) <= 1.05 * real
 
 
 def test_planning_leaves_the_rng_as_it_found_it():
@@ -161,6 +161,28 @@ def test_the_demo_is_not_refused_and_says_one_line_a_stage():
     assert len(close) == 1 and "the tokenizer stage needs" in close[0] and "close" in close[0]
 
 
+def test_a_resume_reads_the_activations_its_run_measured_instead_of_tracing_again(tmp_path, monkeypatch):
+    traced = []
+    real = A.measure_step
+    monkeypatch.setattr(A, "measure_step", lambda *a, **k: traced.append(a[1]) or real(*a, **k))
+    monkeypatch.setattr(A, "_measured", {})
+    cfg = tiny()
+    first = M.plan(cfg, 1, CPU, None)
+    each = [n for n in cfg.train.stages for _ in "ab"]
+    assert traced == each and each  # each stage with and without activation checkpointing
+    A.keep_measured(tmp_path)
+    monkeypatch.setattr(A, "_measured", {})  # a fresh process on another node
+    A.read_measured(tmp_path)
+    again = M.plan(cfg, 1, CPU, None)
+    assert traced == each and again.stages == first.stages
+    M.plan(tiny("tokenizer.widths=[8]"), 1, CPU, None)  # what the model computes changed: traced anew
+    assert traced[len(each):] == each
+    (tmp_path / A.MEASURED).write_text('{"activations": [1, 2]}')
+    monkeypatch.setattr(A, "_measured", {})
+    A.read_measured(tmp_path)  # not such a record: it costs the tracing, nothing else
+    assert A._measured == {} and M.plan(cfg, 1, CPU, None).stages == first.stages and len(traced) == 3 * len(each)
+
+
 def test_device_gib_reads_each_stage_off_a_config_file():
     got = M.device_gib(ROOT / "configs" / "demo.json", device="cpu")
     p = M.plan(load(ROOT / "configs" / "demo.json"), 1, CPU, None)
@@ -206,18 +228,18 @@ def test_on_cuda_the_planned_step_is_what_the_real_step_allocates(name):
     """Fake CUDA tensors under bf16 autocast, with the Triton kernels' fake outputs: the same bytes."""
     cfg = tiny("train.device=cuda")
     dev = torch.device("cuda")
-    want = M.measure_step(cfg, name, 2, dev, torch.bfloat16)
+    want = A.measure_step(cfg, name, 2, dev, torch.bfloat16)
     opts = model_options(cfg, name)
     model = (Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid), **opts) if name == "tokenizer"
              else WorldModel(cfg.world, cfg.tokenizer.codebook_size, **opts)).to(dev)
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
-    batch = {k: torch.zeros(shape, dtype=dt, device=dev) for k, (shape, dt) in M.batch_shapes(cfg, name, 2).items()}
-    with M.PeakBytes([*model.parameters(), *model.buffers(), *(p.grad for p in params), *batch.values()],
-                     M.CUDA_BLOCK) as peak:
+    batch = {k: torch.zeros(shape, dtype=dt, device=dev) for k, (shape, dt) in A.batch_shapes(cfg, name, 2).items()}
+    with A.PeakBytes([*model.parameters(), *model.buffers(), *(p.grad for p in params), *batch.values()],
+                     A.CUDA_BLOCK) as peak:
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = M._loss(name, model, batch)
+            out = A._loss(name, model, batch)
         out["loss"].backward()
     assert peak.peak == want
 

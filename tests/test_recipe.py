@@ -7,7 +7,9 @@ subset; compile.min_steps; the compile cache's keying (wm/compile_cache.py)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -239,6 +241,61 @@ def test_a_damaged_compile_cache_is_one_line_and_ignored(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda b: pytest.fail("a damaged cache was loaded"))
     assert C.load(tmp_path, cpu, said.append) is False
     assert "is damaged (ValueError: its checksum does not match); ignored, the first step compiles" in said[-1]
+
+
+def test_the_triton_kernels_the_first_step_built_travel_with_the_run(tmp_path, monkeypatch):
+    import time as _time
+
+    from wm import compile_cache as C
+
+    monkeypatch.setattr(C, "_loaded", set())
+    cpu, said = torch.device("cpu"), []
+    built, fresh = tmp_path / "triton-here", tmp_path / "triton-fresh-node"
+    monkeypatch.setattr(C, "triton_dir", lambda device: built)
+    monkeypatch.setattr(C, "_STARTED", _time.time() - 5)
+
+    def kernel(root, name, body):
+        (root / name).mkdir(parents=True)
+        (root / name / "k.cubin").write_bytes(body)
+        (root / name / "__grp__k.json").write_text(json.dumps({"child_paths": {  # absolute, as Triton records them
+            "k.cubin": str(root / name / "k.cubin"), "k.json": "k.json"}}))
+
+    kernel(built, "older", b"another process's")
+    os.utime(built / "older", (_time.time() - 100,) * 2)  # written before this process started
+    kernel(built, "k1", b"\x01" * 100)
+    kernel(built, "k2", b"\x02" * 100)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts-1", None))
+    C.save(tmp_path, cpu, said.append)
+    assert "and 2 Triton kernels to" in said[-1]
+    kernel(built, "k3", b"\x03" * 100)  # the next stage's first step tuned another
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"less", None))
+    C.save(tmp_path, cpu, said.append)  # the artifacts stay, the kernels merge
+    tar = tmp_path / "compile_cache" / f"triton-{C.key_name(C.machine_key(cpu))}.tar"
+    assert C._read_tar(tar) and sorted(C.pack_triton(tar, cpu) for _ in range(2)) == [3, 3]
+
+    # a fresh node: its Triton cache holds one of them already (kept), the others arrive whole
+    monkeypatch.setattr(C, "triton_dir", lambda device: fresh)
+    monkeypatch.setattr(C, "_loaded", set())
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda b: None)
+    kernel(fresh, "k1", b"its own")
+    assert C.load(tmp_path, cpu, said.append) is True and said[-1].endswith("and 3 Triton kernels")
+    assert sorted(p.name for p in fresh.iterdir()) == ["k1", "k2", "k3"]  # no temporary left
+    assert (fresh / "k1" / "k.cubin").read_bytes() == b"its own"
+    assert (fresh / "k3" / "k.cubin").read_bytes() == b"\x03" * 100
+    # the group records name the files where they are now, not where they were built
+    assert json.loads((fresh / "k2" / "__grp__k.json").read_text())["child_paths"] == {
+        "k.cubin": str(fresh / "k2" / "k.cubin"), "k.json": "k.json"}
+
+    # a damaged kernel file is said and nothing of it unpacked: Triton never loads a broken binary
+    data = bytearray(tar.read_bytes())
+    data[len(data) // 2] ^= 1
+    tar.write_bytes(bytes(data))
+    shutil.rmtree(fresh)
+    monkeypatch.setattr(C, "_loaded", set())
+    assert C.load(tmp_path, cpu, said.append) is True
+    assert any("is damaged (ValueError: its checksum does not match); ignored, its kernels are rebuilt" in s for s in said)
+    assert not fresh.exists() or not any(fresh.iterdir())
+    assert said[-1].startswith("compile cache: loaded") and "Triton" not in said[-1]
 
 
 def test_a_compiled_stage_logs_its_first_step_and_where_the_seconds_went(tiny, monkeypatch, capsys, restore_signals):

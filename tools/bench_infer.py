@@ -16,9 +16,10 @@ the device) and 4x4 poses (numpy), the future ego motion given. Rows (--modes):
   encode, world step and decode; cudagraphs = torch.compile mode "reduce-overhead"; graph = the
   whole forecast recorded as one CUDA graph, Forecaster(cuda_graph=True): its phases are one,
   "forecast"), on --device;
-- fp32-aoti, bf16-aoti, bf16-aoti-graph: the whole forecast compiled ahead of time (export.py
-  --aoti's package, wm/export/aoti.py, built here at batch 1 into a temporary folder; the row holds
-  its trace, compile and load seconds) run by Forecaster(aoti_dir=...), with graph as one CUDA graph;
+- fp32-aoti, bf16-aoti, bf16-aoti-graph, bf16-aoti-tuned-graph: the whole forecast compiled ahead
+  of time (export.py --aoti's package, wm/export/aoti.py, built here at batch 1 into a temporary
+  folder; the row holds its trace, compile and load seconds; tuned: export.py --aoti-tuned) run by
+  Forecaster(aoti_dir=...), with graph as one CUDA graph;
 - ort-fp32, ort-fp16, ort-int8: onnxruntime on the CPU, the exported graphs (--export folder:
   export.py's files; without one the FP32 and FP16 graphs are exported to a temporary folder, INT8
   needs export.py --int8) run by the deployed host loop wm.export.forecast.forecast (its step graph
@@ -61,7 +62,8 @@ TORCH_MODES = {"fp32": ("fp32", None, False), "bf16": ("bf16", None, False),
 # Inductor options of a tuned row: the training tokenizer's (compile.tokenizer_tuning, tokenizer_channels_last)
 TUNED = {"bf16-compile-tuned-graph": {"coordinate_descent_tuning": True, "force_layout_optimization": True}}
 # the whole forecast compiled ahead of time (wm/export/aoti.py) at batch 1: (dtype, one CUDA graph)
-AOTI_MODES = {"fp32-aoti": ("fp32", False), "bf16-aoti": ("bf16", False), "bf16-aoti-graph": ("bf16", True)}
+AOTI_MODES = {"fp32-aoti": ("fp32", False), "bf16-aoti": ("bf16", False), "bf16-aoti-graph": ("bf16", True),
+              "bf16-aoti-tuned-graph": ("bf16", True)}
 ORT_MODES = {"ort-fp32": "", "ort-fp16": ".fp16", "ort-int8": ".int8-ort"}  # onnxruntime's INT8 copy
 OCCWORLD_MODES = {"occworld-fp32": "fp32", "occworld-bf16": "bf16"}
 ALL_MODES = (*TORCH_MODES, *AOTI_MODES, *ORT_MODES, *OCCWORLD_MODES)
@@ -276,12 +278,14 @@ def aoti_rows(a, cfg, tok, world, device, done, say) -> None:
         if graph and device.type != "cuda":
             done({"mode": mode, "engine": "AOTInductor, one CUDA graph", "status": "skipped: CUDA graphs need a GPU"})
             continue
-        engine = f"AOTInductor package {device.type} {dtype}" + (", one CUDA graph" if graph else "")
+        tuned = "tuned" in mode
+        engine = (f"AOTInductor package {device.type} {dtype}" + (", tuned kernels" if tuned else "")
+                  + (", one CUDA graph" if graph else ""))
 
-        def row(dtype=dtype, graph=graph, mode=mode):
+        def row(dtype=dtype, graph=graph, mode=mode, tuned=tuned):
             with tempfile.TemporaryDirectory(prefix="bench_infer_aoti_") as folder:
                 trained = SimpleNamespace(cfg=cfg, tokenizer=tok, world=world, ckpt=None, tokenizer_ckpt=None)
-                built = build(trained, Path(folder), device, dtype, batch=1, given=given, say=say)
+                built = build(trained, Path(folder), device, dtype, batch=1, given=given, say=say, tuned=tuned)
                 f = Forecaster(cfg, tok, world, device, dtype, cuda_graph=graph, aoti_dir=Path(folder))
                 occ = past_occupancy(cfg, 1, device)
                 poses = straight_poses(1, cfg.data.past + cfg.data.future)

@@ -2,7 +2,7 @@
 
     python tools/bench_recipe.py --cfg configs/occworld.json --steps 438 --preempt-after 40 \
         --set synthetic.train_scenes=700 --set synthetic.val_scenes=150 --set synthetic.format=memmap \
-        --out /scratch/recipe --json benchmarks/recipe.json
+        --out /scratch/recipe --json benchmarks/recipe.json --occworld ~/OccWorld
 
 1. Trains the preset as it is (its global batch, data, compile choice) for `--steps` optimizer steps
    a stage (default 438: one OccWorld epoch of 3500 samples at 8 a step) with `train.py` in a
@@ -17,8 +17,17 @@
    (median of the step lines after the first), its validation rate and seconds, the token cache,
    the whole run. The recipe's time: per stage, the preset's max_steps x global batch at the steady
    rate, plus its validations (max_steps / eval_every, at the measured validation seconds), plus
-   one compile; OccWorld's code at its batch 1 beside it where `--occworld-rates` gives its
-   measured frames/s and windows/s (tools/bench_train.py's OccWorld figures, same card).
+   one compile; OccWorld's code at its batch 1 beside it (the preset's samples at its rates).
+4. With `--occworld PATH` (a checkout of wzzheng/OccWorld, checked before the runs start): after
+   the runs have finished, OccWorld's own training step of each stage, imported from PATH and run
+   as its train.py runs it (tools/occworld_harness.py: fp32, batch 1, its configs' models, losses,
+   AdamW and clip), timed on the same device for `--occworld-steps` steps after
+   `--occworld-warmup` untimed ones: its tokenizer frames/s (10-frame samples) and world windows/s
+   (its 16-frame windows: 15 frames in, each one's next the target; wm's preset trains on its own
+   data.past + data.future windows) are the `OccWorld's code h` rates, measured in this run; the
+   figures (and the checkout's commit, the shims used) go to the report's `occworld_code`. Or
+   `--occworld-rates TOK,WORLD` types those two rates in (e.g. tools/bench_train.py's OccWorld
+   figures on the same card); not both.
 A benchmark, not a test: nothing here asserts a figure.
 """
 
@@ -35,6 +44,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -42,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from wm.errors import WMError, run_cli  # noqa: E402
+from wm.errors import WMError, first_line, run_cli  # noqa: E402
 
 STAGES = ("tokenizer", "world")
 STEP = re.compile(r"^(tokenizer|world) step (\d+)/(\d+) .* ([\d.]+) samples/s")
@@ -154,7 +164,13 @@ def parse_args(argv=None):
     ap.add_argument("--preempt-after", type=float, default=0, metavar="S",
                     help="SIGTERM S seconds after the tokenizer's first step, then resume on emptied local caches")
     ap.add_argument("--occworld-rates", metavar="TOK,WORLD",
-                    help="OccWorld's code at its batch 1 on this card: tokenizer frames/s, world windows/s")
+                    help="OccWorld's code at its batch 1 on this card, typed in: tokenizer frames/s, world windows/s")
+    ap.add_argument("--occworld", metavar="PATH",
+                    help="a checkout of wzzheng/OccWorld: time its own training step of each stage after the runs")
+    ap.add_argument("--occworld-steps", type=int, default=30, help="timed steps of OccWorld's code a stage")
+    ap.add_argument("--occworld-warmup", type=int, default=5, help="untimed steps of OccWorld's code before them")
+    ap.add_argument("--occworld-small", action="store_true",
+                    help="OccWorld's models shrunk to run in seconds on a CPU (a check of the harness, not a benchmark)")
     ap.add_argument("--out", default="runs/bench_recipe", help="run folder parent, logs, local compile caches")
     ap.add_argument("--json", help="write the figures here")
     return ap.parse_args(argv)
@@ -169,6 +185,16 @@ def main(argv=None) -> int:
     if a.steps < 1:
         raise WMError(f"--steps must be >= 1, got {a.steps}")
     occworld = None
+    if a.occworld and a.occworld_rates:
+        raise WMError("--occworld times OccWorld's code in this run and --occworld-rates types its rates in: give one")
+    if a.occworld:
+        if a.occworld_steps < 1 or a.occworld_warmup < 0:
+            raise WMError(f"--occworld-steps must be >= 1 and --occworld-warmup >= 0, got {a.occworld_steps} and "
+                          f"{a.occworld_warmup}")
+        import occworld_harness as H
+
+        for stage in STAGES:
+            H.load_train(a.occworld, stage)  # a bad checkout is one line now, not after the runs
     if a.occworld_rates:
         try:
             tok, world = (float(v) for v in a.occworld_rates.split(","))
@@ -217,18 +243,57 @@ def main(argv=None) -> int:
         time.sleep(0.5)
         rep["resume"] = phases(read_log(out / "resume.log"))
         rep["resume_returncode"] = q.returncode
+    occ_failed = False
+    if a.occworld:
+        rep["occworld_code"] = occworld_code(a.occworld, device, a.occworld_steps, a.occworld_warmup,
+                                             recipe.data.window, a.occworld_small)
+        occworld = {s: rep["occworld_code"][s]["samples_per_s"] for s in STAGES
+                    if "samples_per_s" in rep["occworld_code"][s]}
+        occ_failed = len(occworld) < len(STAGES)
     measured = merged(rep)
     rep["measured"] = measured
     rep["recipe"] = recipe_time(recipe, measured, occworld)
     if occworld:
         rep["occworld_rates"] = occworld
+        rep["occworld_rates_from"] = "measured in this run (occworld_code)" if a.occworld else "--occworld-rates"
     print(table(rep))
     if a.json:
         from wm.atomic import write_bytes
 
         write_bytes(a.json, json.dumps(rep, indent=1) + "\n")
         print(f"wrote {a.json}")
-    return 0 if p.returncode in (0, None) or preempted else 1
+    return 0 if (p.returncode in (0, None) or preempted) and not occ_failed else 1
+
+
+def occworld_code(path, device, steps: int, warmup: int, wm_window: int, small: bool = False) -> dict:
+    """OccWorld's own training step of each stage on `device`, timed by tools/occworld_harness.py.
+    In-process: the wm runs were subprocesses and have exited, so nothing of this process holds the
+    device; each stage's model is freed (and its peak memory reset) before the next."""
+    import torch
+
+    import occworld_harness as H
+
+    out: dict = {"steps": steps, "warmup": warmup, "device": str(device), "wm_window_frames": wm_window,
+                 "size": "small (harness check)" if small else "its configs' sizes"}
+    for stage in STAGES:
+        print(f"OccWorld's code: {stage} training step, {warmup} untimed + {steps} timed steps on {device}", flush=True)
+        try:
+            r = H.train_rate(path, stage, device, steps, warmup, small)
+        except Exception as e:  # its code, not ours: the runs' figures are still reported
+            r = {"error": "out of memory" if isinstance(e, torch.cuda.OutOfMemoryError)
+                 else f"{type(e).__name__}: {first_line(e)}"}
+            if not isinstance(e, (WMError, torch.cuda.OutOfMemoryError)):
+                r["traceback"] = traceback.format_exc()
+            print(f"OccWorld's code: {stage} failed: {r['error']}", flush=True)
+        else:
+            for k in ("root", "commit", "shims"):
+                out[k] = r.pop(k)
+            print(f"OccWorld's code: {stage} {r['samples_per_s']:.2f} {r['unit']}/s, {r['ms_per_step']:.1f} ms a step"
+                  + (f", peak {r['peak_mem_gib']:.1f} GiB" if r.get("peak_mem_gib") is not None else ""), flush=True)
+        out[stage] = r
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
 
 
 def merged(rep: dict) -> dict:
@@ -265,7 +330,32 @@ def table(rep: dict) -> str:
     extra = [f"{k} {m[k]}" for k in ("generation_s", "token_cache_s", "wall_s") if k in m]
     return "\n".join(lines + [f"recipe total {r.get('total_h')} h" + (
         f" (OccWorld's code {r['occworld_code_total_h']} h)" if "occworld_code_total_h" in r else "")
-        + ("; " + ", ".join(extra) if extra else "")])
+        + ("; " + ", ".join(extra) if extra else "")] + occworld_note(rep))
+
+
+def occworld_note(rep: dict) -> list[str]:
+    """Where the OccWorld's code column's rates came from, under the table."""
+    if "occworld_code" in rep:
+        c = rep["occworld_code"]
+        at = f"checkout {c.get('root', '?')}" + (f" at {c['commit'][:12]}" if c.get("commit") else "")
+        parts = []
+        for stage in STAGES:
+            s = c.get(stage, {})
+            if "error" in s:
+                parts.append(f"{stage} failed ({s['error']})")
+            elif stage == "tokenizer":
+                parts.append(f"tokenizer {s['samples_per_s']:.2f} frames/s ({s['frames_per_sample']}-frame samples)")
+            else:
+                parts.append(f"world {s['samples_per_s']:.2f} windows/s (its {s['window_frames']}-frame windows; "
+                             f"wm's preset trains on {c['wm_window_frames']}-frame windows)")
+        size = "; SMALL MODELS, a check of the harness" if c.get("size", "").startswith("small") else ""
+        return [f"OccWorld's code h: its own training step measured in this run on {c['device']} (fp32, batch 1, "
+                f"{c['steps']} steps after {c['warmup']}{size}; {at}): " + ", ".join(parts)]
+    if "occworld_rates" in rep:
+        o = rep["occworld_rates"]
+        return [f"OccWorld's code h: rates typed in (--occworld-rates), tokenizer {o['tokenizer']} frames/s, "
+                f"world {o['world']} windows/s"]
+    return []
 
 
 if __name__ == "__main__":

@@ -9,20 +9,34 @@ before it compiles (`load_cache_artifacts` fills torch's local caches, and the c
 them). The key is what makes a kernel valid: the GPU's name and compute capability, torch, Triton
 and CUDA versions. A file of another key is left alone and the stage compiles, saying so in one
 line; a damaged file is said and ignored. Torch still traces the model (Dynamo) on a cache hit.
+
+Torch's artifacts hold the kernels Inductor built while compiling a graph, not those Triton built
+when the first step tuned a kernel (coordinate descent picks a launch config then, and a cached
+graph reloads with that choice): without them a fresh node rebuilds each such kernel, one by one,
+in the first step. So the Triton cache entries this process wrote travel too, in
+`triton-<key>.tar` beside the artifacts, merged across saves and unpacked into the local Triton
+cache before anything compiles.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import os
 import platform
+import shutil
+import tarfile
+import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from wm.atomic import write_bytes
 
 FOLDER = "compile_cache"
+_STARTED = time.time()  # Triton cache entries written after this are this process's
 
 
 def machine_key(device: torch.device) -> dict:
@@ -152,7 +166,9 @@ def load(run_dir: Path, device: torch.device, say, kind: str = "train") -> bool:
         say(f"compile cache: {blob} is damaged ({type(e).__name__}: {str(e)[:120]}); ignored, the first step compiles")
         return False
     _loaded.add(name)
-    say(f"compile cache: loaded {len(data) / 2**20:.1f} MiB compiled on {describe(key)}")
+    kernels = unpack_triton(folder / f"triton-{key_name(key)}.tar", device, say)
+    say(f"compile cache: loaded {len(data) / 2**20:.1f} MiB compiled on {describe(key)}"
+        + (f" and {kernels} Triton kernels" if kernels else ""))
     return True
 
 
@@ -173,14 +189,121 @@ def save(run_dir: Path, device: torch.device, say, kind: str = "train") -> None:
     folder = Path(run_dir) / FOLDER
     name = f"{kind}-{key_name(key)}"
     old = folder / f"{name}.bin"
+    folder.mkdir(parents=True, exist_ok=True)
+    kernels = pack_triton(folder / f"triton-{key_name(key)}.tar", device)
     if old.is_file() and old.stat().st_size >= len(data):  # artifacts only accumulate: it holds these already
         return
-    folder.mkdir(parents=True, exist_ok=True)
+
     write_bytes(folder / f"{name}.bin", data)
     write_bytes(folder / f"{name}.json", json.dumps(
         {"key": key, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}, indent=1))
     _loaded.add(name)
-    say(f"compile cache: saved {len(data) / 2**20:.1f} MiB to {folder} (a resume on {describe(key)} skips the compile)")
+    say(f"compile cache: saved {len(data) / 2**20:.1f} MiB" + (f" and {kernels} Triton kernels" if kernels else "")
+        + f" to {folder} (a resume on {describe(key)} skips the compile)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton's own cache: the kernels the first step tuned and built
+
+
+def triton_dir(device: torch.device) -> Optional[Path]:
+    """The folder Triton caches its built kernels in for `device` (Inductor's choice: TRITON_CACHE_DIR,
+    else a folder of Inductor's cache); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    if os.environ.get("TRITON_CACHE_DIR"):
+        return Path(os.environ["TRITON_CACHE_DIR"])
+    try:
+        from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+    except ImportError:
+        return None
+    return Path(triton_cache_dir(device.index or 0))
+
+
+def _read_tar(tar: Path) -> bytes:
+    """`tar`'s bytes, checked against the checksum saved beside it (ValueError when they differ)."""
+    data = tar.read_bytes()
+    want = json.loads(tar.with_suffix(".json").read_text())["sha256"]
+    if hashlib.sha256(data).hexdigest() != want:
+        raise ValueError("its checksum does not match")
+    return data
+
+
+def pack_triton(tar: Path, device: torch.device, since: Optional[float] = None) -> int:
+    """Add to `tar` the Triton cache entries (one folder per kernel) written since `since` (default:
+    this process's start) that it does not hold yet; atomic, with its checksum beside it. Returns
+    the kernels it holds."""
+    try:
+        old = tarfile.open(fileobj=io.BytesIO(_read_tar(tar))) if tar.is_file() else None
+        members = old.getmembers() if old else []
+    except (OSError, ValueError, KeyError, TypeError, tarfile.TarError):  # damaged: it starts again
+        old, members = None, []
+    have = {m.name.split("/")[0] for m in members}
+    src = triton_dir(device)
+    since = _STARTED if since is None else since
+    new = [] if src is None or not src.is_dir() else sorted(
+        e.name for e in src.iterdir() if e.is_dir() and e.name not in have and e.stat().st_mtime >= since)
+    if not new:
+        return len(have)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as out:
+        for m in members:
+            out.addfile(m, old.extractfile(m) if m.isfile() else None)
+        for name in new:
+            out.add(src / name, arcname=name)
+    data = buf.getvalue()
+    write_bytes(tar, data)
+    write_bytes(tar.with_suffix(".json"), json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+                                                      "kernels": len(have) + len(new)}, indent=1))
+    return len(have) + len(new)
+
+
+def _relocate(grp: Path, home: Path) -> None:
+    """Point a Triton group record's files (absolute paths where the kernel was built) at `home`,
+    the kernel's folder here; a record of another form is left as it is."""
+    try:
+        rec = json.loads(grp.read_text())
+        paths = rec["child_paths"]
+        rec["child_paths"] = {k: str(home / Path(v).name) if os.path.isabs(v) else v for k, v in paths.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return
+    grp.write_text(json.dumps(rec))
+
+
+def unpack_triton(tar: Path, device: torch.device, say) -> int:
+    """Unpack `tar`'s kernels into this machine's Triton cache (those it lacks), so the first step
+    finds them built. Returns how many it holds; a damaged file is said and ignored."""
+    dst = triton_dir(device)
+    if dst is None or not tar.is_file():
+        return 0
+    os.environ.setdefault("TRITON_CACHE_DIR", str(dst))  # Inductor and its compile workers look here
+    try:
+        t = tarfile.open(fileobj=io.BytesIO(_read_tar(tar)))
+        members = t.getmembers()
+    except (OSError, ValueError, KeyError, TypeError, tarfile.TarError) as e:
+        say(f"compile cache: {tar} is damaged ({type(e).__name__}: {str(e)[:120]}); ignored, its kernels are rebuilt")
+        return 0
+    names = {m.name.split("/")[0] for m in members}
+    tmp = dst / f".wm-unpack.tmp-{os.getpid()}"
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+        missing = [m for m in members if not (dst / m.name.split("/")[0]).exists()]
+        t.extractall(tmp, members=missing, filter="data")  # "data": nothing outside tmp, no links out
+        for e in (tmp.iterdir() if tmp.is_dir() else ()):
+            for grp in e.glob("__grp__*"):
+                _relocate(grp, dst / e.name)
+            try:  # a kernel appears whole or not at all, to Triton and to other ranks unpacking beside us
+                os.replace(e, dst / e.name)
+            except OSError:  # another process put the same kernel there first
+                pass
+    except (OSError, tarfile.TarError) as e:
+        say(f"compile cache: cannot unpack {tar.name} into {dst} ({type(e).__name__}: {str(e)[:120]}); "
+            "its kernels are rebuilt")
+        return 0
+    finally:
+        t.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return len(names)
 
 
 _loaded: set = set()

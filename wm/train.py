@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from wm import distributed as D, memory_plan
+from wm import activations, distributed as D, memory_plan
 from wm.atomic import write_bytes
 from wm.checkpoint import read_json
 from wm.config import Config, load as load_config, to_dict
@@ -216,6 +216,8 @@ def main(argv=None, stop: Optional[Preemption] = None) -> int:
         run = Run(cfg, d, fresh=args.fresh, allow_new_data=args.allow_new_data,
                   allow_changed=tuple(k.strip() for k in args.allow_changed.split(",") if k.strip()))
         run.memory_plan = plan  # the first step's memory line compares with it
+        if d.is_main:
+            activations.keep_measured(run.dir)  # a resume reads them instead of tracing again
         if run.resuming:
             run.say(f"resuming run {run.dir}")
         run.say(f"training: {device_line(cfg, d, device, dtype)}")

@@ -33,6 +33,9 @@ from wm.checkpoint import sha256_file
 from wm.errors import WMError
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Inductor's options of a tuned package: coordinate-descent launch settings per kernel and NHWC
+# convolutions, as the training tokenizer compiles (minutes more of compilation, once per machine kind)
+TUNED = {"coordinate_descent_tuning": True, "force_layout_optimization": True}
 
 
 class WholeForecast(nn.Module):
@@ -61,10 +64,11 @@ def package_name(batch: int, past: int, steps: int, dtype: str, given: bool, dev
 
 
 def build(trained, out: Path, device: torch.device, dtype: str = "bf16", batch: int = 1,
-          steps: Optional[int] = None, given: Optional[bool] = None, say=print) -> dict:
+          steps: Optional[int] = None, given: Optional[bool] = None, say=print, tuned: bool = False) -> dict:
     """Export and compile the forecast of `trained` (wm.export.onnx.Trained) for `device` into
     `out`, with the future ego motion given (default: as the run evaluates, train.forecast_motion)
-    or predicted; returns what export.json records (file, seconds, agreement with PyTorch)."""
+    or predicted, its kernels `tuned` (TUNED); returns what export.json records (file, seconds,
+    agreement with PyTorch)."""
     if dtype not in DTYPES:
         raise WMError(f"--aoti-dtype {dtype!r} must be one of {', '.join(DTYPES)}")
     if batch < 1:
@@ -84,16 +88,18 @@ def build(trained, out: Path, device: torch.device, dtype: str = "bf16", batch: 
         program = torch.export.export(module, args)
         export_s = time.perf_counter() - t0
         say(f"  AOTInductor: traced the forecast (batch {batch}, {P} past -> {S} future frames, "
-            f"{'given' if given else 'predicted'} ego motion, {dtype}) in "
+            f"{'given' if given else 'predicted'} ego motion, {dtype}{', tuned kernels' if tuned else ''}) in "
             f"{export_s:.1f} s; compiling for {compile_cache.describe(compile_cache.machine_key(device))} ...")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")  # AOTInductor wants a name ending .pt2
-        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
+        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
+                                                 **({"inductor_configs": dict(TUNED)} if tuned else {}))
         tmp.replace(path)  # a killed compile leaves no package that looks whole
         compile_s = time.perf_counter() - t0 - export_s
         ref = module(*args)
     blob = path.read_bytes()
     meta = {"key": compile_cache.machine_key(device), "batch": batch, "past": P, "steps": S, "dtype": dtype, "given": given,
+            "tuned": tuned,
             "grid": list(cfg.data.grid), "checkpoint": str(trained.ckpt),
             "checkpoint_sha256": None if trained.ckpt is None else sha256_file(trained.ckpt),  # random weights: none
             "tokenizer_checkpoint": str(trained.tokenizer_ckpt),
@@ -104,7 +110,8 @@ def build(trained, out: Path, device: torch.device, dtype: str = "bf16", batch: 
         got = runner(*args)
     agree = float((got[0] == ref[0]).float().mean())
     return {"file": path.name, "bytes": len(blob), "export_s": round(export_s, 1), "compile_s": round(compile_s, 1),
-            "load_s": round(load_s, 2), "class_agreement": round(agree, 6), **{k: meta[k] for k in ("batch", "past", "steps", "dtype", "given")}}
+            "load_s": round(load_s, 2), "class_agreement": round(agree, 6),
+            **{k: meta[k] for k in ("batch", "past", "steps", "dtype", "given", "tuned")}}
 
 
 def find_package(folder: Path, device: torch.device, batch: int, past: int, steps: int, dtype: str,
