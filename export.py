@@ -134,8 +134,9 @@ def export(argv, progress: dict) -> int:
 
     import torch
 
-    from wm.export.onnx import (OUTPUTS, WORLD_DIMS, compare, dynamic_shapes, example_inputs, export_graph, find_run,
-                                graphs, load_trained, world_max_batch, world_profile)
+    from wm.export.onnx import (OUTPUTS, WORLD_DIMS, compare, dynamic_shapes, example_inputs, export_graph, graphs,
+                                world_max_batch, world_profile)
+    from wm.trained import find_run, load_trained
 
     t_start = time.perf_counter()
     torch.set_grad_enabled(False)

@@ -15,7 +15,7 @@ from wm import Forecaster
 from wm import compile_cache as C
 from wm.errors import WMError
 from wm.export import aoti as A
-from wm.export.onnx import load_trained
+from wm.trained import load_trained
 
 
 def _inputs(f, batch=2):

@@ -212,7 +212,7 @@ def test_the_world_stage_skips_a_foreign_tokenizer_best_for_the_newest_good_step
 
 def test_eval_and_export_skip_a_foreign_best_for_the_newest_good_step(trained_tiny, tmp_path, capsys):
     from wm.evaluate import stage_checkpoint
-    from wm.export.onnx import load_trained
+    from wm.trained import load_trained
 
     run = tmp_path / "run"
     shutil.copytree(trained_tiny.run_dir(), run)
@@ -235,7 +235,7 @@ def test_eval_and_export_skip_a_foreign_best_for_the_newest_good_step(trained_ti
 
 def test_a_named_checkpoint_holding_nan_is_refused_by_eval_and_export(trained_tiny, tmp_path):
     from wm.evaluate import load_stage
-    from wm.export.onnx import load_trained
+    from wm.trained import load_trained
 
     st = ck.load_checked(cdir(trained_tiny.run_dir(), "world") / ck.BEST)
     k = next(iter(st["model"]))

@@ -385,7 +385,7 @@ def test_a_saved_config_without_a_later_key_keeps_what_ran_before_it(tiny, resto
     and checkpoints, read back, still describe that model (the key's class default), while a partial
     config file takes the demo's default (no attention); the run resumes and its checkpoint loads."""
     import wm.train as T
-    from wm.export.onnx import load_trained
+    from wm.trained import load_trained
 
     d = C.to_dict(C.Config())
     del d["tokenizer"]["mid_attention"]

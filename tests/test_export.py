@@ -9,7 +9,7 @@ from pathlib import Path
 import onnx
 import pytest
 
-from wm.export.onnx import ExportError, load_trained
+from wm.trained import TrainedRunError, load_trained
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,6 +22,14 @@ def trained(trained_tiny):
 def export(*args):
     return subprocess.run([sys.executable, "export.py", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
+
+
+def export_here(*args):
+    """export.py's refusals in this process (conftest.cli_in_process): the same main and one-line
+    error, without the seconds of a process start; test_bad_input_... keeps a real process call."""
+    from conftest import cli_in_process
+
+    return cli_in_process("export.py", *args)
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +102,10 @@ def test_host_loop_over_the_graphs_is_the_rollout(trained, cli):
 
 
 def test_default_run_is_the_newest_world_run(trained, tmp_path):
-    from wm.export.onnx import find_run
+    from wm.trained import find_run
 
     assert find_run(trained.run_dir().parent) == trained.run_dir()
-    with pytest.raises(ExportError, match="no world-model run under"):
+    with pytest.raises(TrainedRunError, match="no world-model run under"):
         find_run(tmp_path)
 
 
@@ -110,28 +118,30 @@ def one_line_error(p):
 
 def test_bad_input_is_one_line_and_writes_nothing(trained, tmp_path):
     run = trained.run_dir()
-    assert "does not exist" in one_line_error(export("--run", str(tmp_path / "nope")))
+    assert "does not exist" in one_line_error(export("--run", str(tmp_path / "nope")))  # a real process
     # a run with the tokenizer stage only
     tok_only = tmp_path / "tok_only"
     shutil.copytree(run, tok_only)
     shutil.rmtree(tok_only / "world")
-    assert "only the tokenizer stage" in one_line_error(export("--run", str(tok_only), "--out", str(tmp_path / "o1")))
+    assert "only the tokenizer stage" in one_line_error(export_here("--run", str(tok_only), "--out",
+                                                                    str(tmp_path / "o1")))
     # a truncated checkpoint
     ck = tmp_path / "cut.pt"
     data = (run / "world" / "checkpoints" / "best.pt").read_bytes()
     ck.write_bytes(data[: len(data) // 2])
-    msg = one_line_error(export("--run", str(run), "--ckpt", str(ck), "--out", str(tmp_path / "o2")))
+    msg = one_line_error(export_here("--run", str(run), "--ckpt", str(ck), "--out", str(tmp_path / "o2")))
     assert "cut.pt" in msg
     # a tokenizer-stage checkpoint given as --ckpt
     tck = next((run / "tokenizer" / "checkpoints").glob("step_*.pt"))
-    assert "tokenizer-stage checkpoint" in one_line_error(export("--run", str(run), "--ckpt", str(tck)))
+    assert "tokenizer-stage checkpoint" in one_line_error(export_here("--run", str(run), "--ckpt", str(tck)))
     # an output folder that cannot be written (a file is in the way)
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    assert "cannot write the export folder" in one_line_error(export("--run", str(run), "--out", str(blocker / "sub")))
+    assert "cannot write the export folder" in one_line_error(export_here("--run", str(run), "--out",
+                                                                          str(blocker / "sub")))
     # a host memory budget of nothing
-    assert "--host-memory-gib must be > 0" in one_line_error(export("--run", str(run), "--host-memory-gib", "0",
-                                                                    "--out", str(tmp_path / "o3")))
+    assert "--host-memory-gib must be > 0" in one_line_error(export_here("--run", str(run), "--host-memory-gib", "0",
+                                                                         "--out", str(tmp_path / "o3")))
     for d in ("o1", "o2", "o3"):
         assert not (tmp_path / d).exists() or not list((tmp_path / d).glob("*.onnx"))
 
@@ -145,7 +155,7 @@ def test_checkpoint_whose_config_does_not_fit_its_weights(trained, tmp_path):
     st["config"]["world"]["widths"] = [16, 32]
     bad = tmp_path / "mismatch.pt"
     torch.save(st, bad)
-    with pytest.raises(ExportError, match="do not fit the model its config describes"):
+    with pytest.raises(TrainedRunError, match="do not fit the model its config describes"):
         load_trained(trained.run_dir(), bad)
 
 
@@ -175,7 +185,7 @@ def test_world_checkpoint_on_another_tokenizer_is_refused(trained, tmp_path):
     st["tokenizer"]["sha256"] = "0" * 64  # trained on a tokenizer that is no longer there
     ck = tmp_path / "other.pt"
     torch.save(st, ck)
-    msg = one_line_error(export("--run", str(run), "--ckpt", str(ck), "--out", str(tmp_path / "o")))
+    msg = one_line_error(export_here("--run", str(run), "--ckpt", str(ck), "--out", str(tmp_path / "o")))
     assert "tokenizer hash mismatch" in msg
     assert not (tmp_path / "o").exists() or not list((tmp_path / "o").glob("*.onnx"))
 

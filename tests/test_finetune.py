@@ -603,7 +603,7 @@ def test_lr_mult_groups_and_the_schedule_keeps_the_ratio(src, tmp_path):
 
 
 def test_a_world_only_run_reuses_the_source_tokenizer_and_export_loads_it(src, tmp_path):
-    from wm.export.onnx import load_trained
+    from wm.trained import load_trained
 
     out = train(src.t.args(out=str(tmp_path / "runs"), name="world", train__stages="world", init__from=str(src.dir),
                            world_stage__max_steps=2))

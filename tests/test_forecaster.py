@@ -13,7 +13,7 @@ from wm import Forecaster
 from wm.checkpoint import load
 from wm.data import OccWindows
 from wm.errors import WMError
-from wm.export.onnx import ExportError, load_trained
+from wm.trained import TrainedRunError, load_trained
 from wm.metrics import ConfusionMatrix
 
 
@@ -130,7 +130,7 @@ def test_loader_refuses_a_tokenizer_trained_with_other_settings(ev, tmp_path):
     wst["tokenizer"] = {"path": str(other), "sha256": sha256_file(other)}
     bad = tmp_path / "world.pt"
     torch.save(wst, bad)
-    with pytest.raises(ExportError, match=r"tokenizer\.attn_heads=2 .* records 1"):
+    with pytest.raises(TrainedRunError, match=r"tokenizer\.attn_heads=2 .* records 1"):
         load_trained(run, bad)
     with pytest.raises(WMError, match=r"tokenizer\.attn_heads=2"):
         Forecaster.from_run(run, ckpt=bad)

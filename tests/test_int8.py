@@ -28,7 +28,8 @@ def run(trained_tiny):
     FP16 copies, then run_int8 on onnxruntime (8 calibration windows of 18 in the train split, all
     9 val windows)."""
     import torch
-    from wm.export.onnx import OUTPUTS, dynamic_shapes, example_inputs, export_graph, fp16_model, graphs, load_trained
+    from wm.export.onnx import OUTPUTS, dynamic_shapes, example_inputs, export_graph, fp16_model, graphs
+    from wm.trained import load_trained
 
     t = trained_tiny
     torch.set_grad_enabled(False)

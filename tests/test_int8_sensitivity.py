@@ -42,7 +42,7 @@ def test_a_copy_rebuilt_from_the_export_thresholds_computes_what_the_exported_fi
     """The variants start from the export's own thresholds and float set: with nothing more kept
     float, the rebuilt copy's rollout equals the exported .int8-ort.onnx's, code for code."""
     from wm.export.int8 import kept_float
-    from wm.export.onnx import load_trained
+    from wm.trained import load_trained
 
     T = _tool()
     out = tiny_export.out

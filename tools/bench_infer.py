@@ -182,7 +182,7 @@ def past_occupancy(cfg, batch: int, device) -> torch.Tensor:
 def models(a, cfg):
     """(cfg, tokenizer, world, where the weights come from): the run's, or random ones of cfg."""
     if a.run:
-        from wm.export.onnx import load_trained
+        from wm.trained import load_trained
 
         t = load_trained(a.run, a.ckpt)
         return t.cfg, t.tokenizer, t.world, f"run {a.run} ({t.ckpt})"
@@ -200,8 +200,8 @@ def export_graphs(cfg, tok, world, out: Path, say) -> dict:
     """FP32 and FP16 ONNX graphs of the models into `out` (as export.py writes them); seconds taken."""
     import onnx
 
-    from wm.export.onnx import OUTPUTS, Trained, dynamic_shapes, example_inputs, export_graph, fp16_model, \
-        graphs, save_checked
+    from wm.export.onnx import OUTPUTS, dynamic_shapes, example_inputs, export_graph, fp16_model, graphs, save_checked
+    from wm.trained import Trained
 
     t = Trained(cfg, tok.cpu(), world.cpu(), None, None, "")
     t0 = time.perf_counter()

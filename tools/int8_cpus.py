@@ -86,7 +86,7 @@ def record_calls(run_dir: Path, export: Path, windows: int, batch: int, folder: 
     `folder` (a world step's key/value cache is 0.6 GB at the occworld size): ([(graph, feed path)], windows)."""
     from wm.export.collect import batches, windows as pick
     from wm.export.forecast import OrtGraphs, forecast
-    from wm.export.onnx import load_trained
+    from wm.trained import load_trained
     from wm.export.report import CPU_INT8, graph_files
 
     trained = load_trained(run_dir)

@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
 
     from wm.atomic import write_bytes
-    from wm.export.onnx import load_trained
+    from wm.trained import load_trained
     from wm.export.report import accuracy_report, format_report
 
     run_dir = Path(a.run)

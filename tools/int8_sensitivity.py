@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     import onnx
 
     from wm.export.int8 import kept_float
-    from wm.export.onnx import load_trained
+    from wm.trained import load_trained
 
     trained = load_trained(a.run)
     cfg = trained.cfg

@@ -1,6 +1,6 @@
 """wm: a minimal trainer for 3D occupancy world models (OccWorld family)."""
 
-__version__ = "0.1.0"
+from wm.version import __version__  # noqa: F401
 
 
 def __getattr__(name):

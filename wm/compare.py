@@ -100,7 +100,8 @@ def _config(st: dict, path: Path) -> Config:
 
 def _torch_model(role: str, path: Path, kind: str, ckpt: Path, st: dict, run_dir: Path, device, dtype) -> Model:
     """A world checkpoint and its tokenizer as PyTorch modules, scored by wm.evaluate.forecast."""
-    from wm.evaluate import _build, _precision, check_config, forecast, load_stage, world_tokenizer
+    from wm.evaluate import _build, _precision, check_config, forecast, load_stage
+    from wm.trained import world_tokenizer
     from wm.tokenizer import Tokenizer
     from wm.world import WorldModel
 

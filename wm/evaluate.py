@@ -46,12 +46,11 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-import wm
 from wm import distributed as D
 from wm.atomic import write_bytes
 from wm.checkpoint import load_checked as load_ckpt, newest_valid, sha256_file
 from wm.ckpt_checks import EVAL_KEYS, checker, first_nonfinite, own_model_problem
-from wm.config import MATCH, Config, DataConfig, key_rules, model_options, stage_sections, to_dict, upgrade
+from wm.config import Config, DataConfig, model_options, to_dict
 from wm.data import OccWindows, check_against_config, ignore_stop_signals, start_workers
 from wm.datastats import moving_classes
 from wm.errors import DataError, WMError
@@ -60,6 +59,8 @@ from wm.horizons import PROTOCOL_HORIZONS, default_horizons, horizon_label, hori
 from wm.metrics import MODES, OCCWORLD_STEPS, ConfusionMatrix, copy_last
 from wm.run import shared_root, unwritable
 from wm.tokenizer import Tokenizer
+from wm.trained import config_diffs, more_keys, world_tokenizer
+from wm.version import __version__
 from wm.world import WorldModel
 
 __all__ = ["MASK_FIELDS", "PROTOCOL_HORIZONS", "Recon", "Forecast", "reconstruction", "forecast",
@@ -334,22 +335,6 @@ def load_stage(path: Path, stage: Optional[str] = None, what: str = "--ckpt", st
     return st
 
 
-def config_diffs(old: dict, new: dict, stage: str) -> list[tuple[str, Any, Any]]:
-    """(key, old value, new value) of every key that changes the function of a `stage` checkpoint
-    between two config dicts (of any layout `upgrade` reads): the keys --eval-only must match."""
-    old, new = upgrade(old)[0], upgrade(new)[0]
-    rules = key_rules()
-    keys = [(sec, k) for sec in stage_sections(stage) for k, (_, ev) in rules[sec].items() if ev == MATCH]
-    return [(f"{sec}.{k}", old[sec][k], new[sec][k]) for sec, k in keys
-            if isinstance(old.get(sec), dict) and k in old[sec] and isinstance(new.get(sec), dict) and k in new[sec]
-            and old[sec][k] != new[sec][k]]
-
-
-def more_keys(diffs: list) -> str:
-    """' (and N more keys)' after the first of `diffs`, or ''."""
-    return f" (and {len(diffs) - 1} more key{'s' if len(diffs) > 2 else ''})" if len(diffs) > 1 else ""
-
-
 def check_config(st: dict, cfg: Config, stage: str, path: Path) -> None:
     """The config given for evaluation must describe the model the checkpoint holds: the same
     model sections (training-only keys aside) and the same grid and classes."""
@@ -358,36 +343,6 @@ def check_config(st: dict, cfg: Config, stage: str, path: Path) -> None:
         key, a, b = diffs[0]
         raise WMError(f"config mismatch: {path} was trained with {key}={a!r} but the config has {b!r}"
                       f"{more_keys(diffs)}; evaluate with the config of the run that trained it (its config.json)")
-
-
-def world_tokenizer(st: dict, path: Path, run_dir: Path) -> tuple[Path, str]:
-    """The tokenizer checkpoint a world-model checkpoint was trained on, its sha256 verified.
-
-    Looked for where the checkpoint says, then in the same run's tokenizer folder (a run folder that
-    was moved or copied); the file must have the recorded hash."""
-    info = st.get("tokenizer") if isinstance(st.get("tokenizer"), dict) else {}
-    rec, want = info.get("path"), info.get("sha256")
-    if not isinstance(rec, str) or not isinstance(want, str) or not rec or not want:
-        raise WMError(f"{path} does not name its tokenizer (path and sha256); it was not written by wm's world stage")
-    rec = Path(rec)
-    here = path.resolve().parent.parent.parent / "tokenizer" / "checkpoints" / rec.name
-    cands = []
-    for c in (rec, here, run_dir / "tokenizer" / "checkpoints" / rec.name):
-        if c.is_file() and all(not c.samefile(o) for o in cands):
-            cands.append(c)
-    if not cands:
-        raise WMError(f"{path} was trained on tokenizer {rec} (sha256 {want[:12]}), which is missing; restore "
-                      "it: the world model's codes mean nothing without it")
-    seen = []
-    for c in cands:
-        got = sha256_file(c)
-        if got == want:
-            return c, want
-        seen.append((c, got))
-    c, got = seen[0]
-    raise WMError(f"tokenizer hash mismatch: {path} was trained on tokenizer {rec} with sha256 {want[:12]}, but "
-                  f"{c} has sha256 {got[:12]}; the tokenizer changed since (retrained or replaced): restore "
-                  "the one it was trained on, or retrain the world stage")
 
 
 def _build(cls, st: dict, path: Path, *a, **kw):
@@ -548,7 +503,7 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
         "class_names": names, "free_class": info.free_class,
         "moving_classes": list(moving_classes(info, cfg.data.moving_classes)),
         "world_size": d.world_size, "device": str(device), "precision": _precision(dtype),
-        "wm_version": wm.__version__, "torch_version": torch.__version__, "argv": list(sys.argv),
+        "wm_version": __version__, "torch_version": torch.__version__, "argv": list(sys.argv),
     }
 
     # ---- tokenizer reconstruction

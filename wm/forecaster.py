@@ -18,7 +18,7 @@ it after: at batch 1 the forecast is bound by kernel launches (hundreds per worl
 replay skips. Each call's inputs are copied into the graph's own buffers and its outputs copied out,
 so results stay valid across calls.
 
-The run is loaded by export's loader (wm.export.onnx.load_trained): the best valid world checkpoint,
+The run is loaded by wm.trained.load_trained (as evaluation and export load it): the best valid world checkpoint,
 its tokenizer found by sha256, the two checkpoints' configs checked against each other as
 --eval-only checks them. Every input a caller can get wrong is refused with one line (WMError).
 """
@@ -42,6 +42,7 @@ from wm.config_runtime import COMPILE_MODES
 from wm.data import relative_motion
 from wm.errors import WMError
 from wm.tokenizer import Tokenizer
+from wm.trained import load_trained
 from wm.world import WorldModel
 from wm.wrappers import compile_args
 
@@ -244,7 +245,6 @@ class Forecaster:
                  aoti: bool = False) -> "Forecaster":
         """The run's best world-model checkpoint (or `ckpt`) and the tokenizer it was trained on;
         `aoti`: run the AOTInductor packages export.py --aoti wrote into <run>/export."""
-        from wm.export.onnx import load_trained
 
         _dtype(dtype), _graph_ok(cuda_graph, _device(device), _compile(compile))  # refuse before reading
         t = load_trained(run, ckpt)

@@ -135,7 +135,7 @@ def find_source(spec: str, stage: str, say=print) -> Optional[Source]:
     if got == stage:
         return _load(p, stage)
     if got == "world" and stage == "tokenizer":
-        from wm.evaluate import world_tokenizer
+        from wm.trained import world_tokenizer
 
         return _load(world_tokenizer(st, p, p.parent.parent.parent)[0], stage)
     if got not in ("tokenizer", "world"):

@@ -18,7 +18,6 @@ from typing import Optional
 
 import torch
 
-import wm
 from wm import distributed as D, runlock
 from wm.atomic import fsync_dir, mib, require_space, tmp_path
 from wm.checkpoint import latest_checkpoint, read_json
@@ -28,6 +27,7 @@ from wm.config import (ALLOWED, FREE, MATCH, Config, from_saved, key_rules, reso
 from wm.data import check_against_config, resolve_root
 from wm.errors import ConfigError, DataError, WMError, first_line
 from wm.logs import Logger
+from wm.version import __version__
 
 
 def git_commit() -> Optional[str]:
@@ -61,7 +61,7 @@ class Run:
         check_against_config(self.manifest, cfg.data)
         # the run folder: resume the same run, refuse a different one, start over only when asked
         meta = {"data_fingerprint": self.fingerprint, "data_root": str(self.root),
-                "wm_version": wm.__version__, "torch_version": torch.__version__,
+                "wm_version": __version__, "torch_version": torch.__version__,
                 "git_commit": git_commit(), "world_size": d.world_size,
                 "shards": {s["path"]: s["sha256"] for s in self.manifest.shards}}  # what it trained on
         self.resuming, self.fingerprints = False, {self.fingerprint}  # the data its checkpoints may name

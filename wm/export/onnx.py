@@ -33,9 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -44,11 +42,9 @@ import torch
 from torch import nn
 
 from wm.atomic import discard, publish, tmp_path
-from wm.checkpoint import latest_checkpoint, load, newest_valid
-from wm.ckpt_checks import EVAL_KEYS, checker, first_nonfinite
-from wm.config import Config, from_saved, model_options
-from wm.errors import ConfigError, WMError
+from wm.errors import WMError
 from wm.tokenizer import Tokenizer
+from wm.trained import Trained
 from wm.world import WorldModel
 
 
@@ -58,90 +54,6 @@ class ExportError(WMError):
 
 # ---------------------------------------------------------------------------------------------
 # what to export
-
-
-@dataclass
-class Trained:
-    """A world-model checkpoint with its frozen tokenizer and config."""
-
-    cfg: Config
-    tokenizer: Tokenizer
-    world: WorldModel
-    ckpt: Path
-    tokenizer_ckpt: Path
-    data_fingerprint: str
-    init: dict = field(default_factory=dict)  # {stage: source} of a fine-tuned run (wm.init_from), else empty
-
-
-def find_run(runs: str | os.PathLike = "runs") -> Path:
-    """The run under `runs/` whose world stage saved most recently."""
-    base = Path(runs)
-    found = []
-    for d in base.iterdir() if base.is_dir() else []:
-        p = latest_checkpoint(d / "world" / "checkpoints")
-        if p is not None:
-            found.append((p.stat().st_mtime, d))
-    if not found:
-        raise ExportError(f"no world-model run under {base}/ (looked for */world/checkpoints/); "
-                          "train one first, or name it with --run")
-    return max(found)[1]
-
-
-def load_trained(run: str | os.PathLike, ckpt: Optional[str | os.PathLike] = None) -> Trained:
-    """The run's best world-model checkpoint (or `ckpt`), its tokenizer, and its config; refused
-    with one line when a piece is missing, truncated, from the tokenizer stage only, or does not
-    match its config."""
-    run = Path(run)
-    if not run.is_dir():
-        raise ExportError(f"run folder {run} does not exist (--run)")
-    if ckpt is None:
-        folder = run / "world" / "checkpoints"
-        # best.pt, else the newest valid step: each is checked against its recorded sha256, and a
-        # damaged one is named and skipped (CheckpointError, one line, when none is valid)
-        found = newest_valid(folder, best=True, say=print, check=checker("world", model="own", keys=EVAL_KEYS))
-        if found is None:
-            tok = latest_checkpoint(run / "tokenizer" / "checkpoints")
-            what = "only the tokenizer stage" if tok else "no checkpoint"
-            raise ExportError(f"{run} holds {what}: the forecaster needs a world-model checkpoint "
-                              f"({folder}); train the world stage first")
-        ckpt, st = found
-    else:
-        ckpt = Path(ckpt)
-        if not ckpt.is_file():
-            raise ExportError(f"checkpoint {ckpt} does not exist (--ckpt)")
-        st = load(ckpt)  # CheckpointError (a WMError) names a truncated, corrupt or tampered file
-    if st.get("stage") != "world":
-        raise ExportError(f"{ckpt} is a {st.get('stage', 'unknown')}-stage checkpoint; export needs a "
-                          "world-model checkpoint (runs/<name>/world/checkpoints/)")
-    if bad := first_nonfinite(st, ("model",)):
-        raise ExportError(f"{ckpt} holds non-finite values (first: {bad}); export a checkpoint saved before them")
-    try:
-        cfg = from_saved(st["config"]).validate()
-    except ConfigError as e:
-        raise ExportError(f"{ckpt}: its config is refused ({e})") from None
-    from wm.evaluate import config_diffs, more_keys, world_tokenizer
-
-    try:  # found where recorded (or in this run), its sha256 what the world stage trained on
-        tpath, _ = world_tokenizer(st, ckpt, run)
-    except WMError as e:
-        raise ExportError(str(e)) from None
-    tst = load(tpath)
-    diffs = config_diffs(tst.get("config") or {}, st["config"], "tokenizer")  # what --eval-only checks too
-    if diffs:
-        key, a, b = diffs[0]
-        raise ExportError(f"config mismatch: tokenizer {tpath} was trained with {key}={a!r} but world checkpoint "
-                          f"{ckpt} records {b!r}{more_keys(diffs)}: its world stage ran that tokenizer with other "
-                          "settings; retrain the world stage with the tokenizer's config")
-    tok = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid), **model_options(cfg, "tokenizer"))
-    world = WorldModel(cfg.world, cfg.tokenizer.codebook_size, **model_options(cfg, "world"))
-    try:
-        tok.load_state_dict(tst["model"])
-        world.load_state_dict(st["model"])
-    except (RuntimeError, KeyError) as e:
-        raise ExportError(f"{ckpt}: the weights do not fit the model its config describes "
-                          f"({str(e).splitlines()[0]})") from None
-    init = {k: v for k, v in (("tokenizer", tst.get("init")), ("world", st.get("init"))) if v}
-    return Trained(cfg, tok.eval(), world.eval(), ckpt, tpath, st.get("data_fingerprint", ""), init)
 
 
 # ---------------------------------------------------------------------------------------------
