@@ -10,8 +10,8 @@ Two ways to rank, chosen by kernels.lovasz_impl:
 
 - "sort" (`lovasz_softmax`): the exact loss and gradient, as Berman et al.'s per-class loop (tested
   against it). One torch.sort of all the errors of a chunk of classes, a gather and a scatter back:
-  at the occworld size that is 18 x 20 M keys with their int64 indices per step of 32 frames,
-  about a third of a tokenizer step on an H100 (BENCHMARKS.md).
+  at the occworld size that is 18 x 20 M keys with their int64 indices per step of 32 frames, a
+  large share of a tokenizer step (BENCHMARKS.md, Kernels).
 - "histogram" (`lovasz_softmax(impl="histogram")`): no sort. The errors fall into bins by their float32 bits
   (exponent and the top HIST_BITS mantissa bits: every bin spans errors within a factor 1 + 2**-10
   of each other), a bincount gives each bin's foreground and background counts, and the ranks between
@@ -44,7 +44,7 @@ def _present_weights(labels: Tensor, num_classes: int, present_only: bool, dtype
     """Foreground count per class (long) and each class's weight in the mean (present classes only,
     or all)."""
     # a comparison and a sum per class, not an index_add_: on a GPU its atomic adds into C counters,
-    # most of them into the free class's, serialise (15 ms for 20 M labels on an H200)
+    # most of them into the free class's, serialise
     counts = (labels[None, :] == torch.arange(num_classes, device=labels.device)[:, None]).sum(1)
     return counts, class_weights(counts, present_only, dtype)
 

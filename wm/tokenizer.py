@@ -147,7 +147,7 @@ class Upsample(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.training and torch.compiler.is_compiling():
             # the same values as a broadcast: Inductor lowers interpolate's backward to float atomic adds
-            # into the input's gradient (3.1 ms per step of 32 frames at 200x200, H200); a broadcast's
+            # into the input's gradient, which serialise on a GPU; a broadcast's
             # backward is a plain sum over the copies. Eager (and export) keep interpolate, whose
             # backward kernel in ATen sums without atomics.
             n, c, h, w = x.shape
@@ -255,8 +255,7 @@ class VectorQuantizer(nn.Module):
         step, whose encoder outputs may be non-finite); the RNG draw happens either way.
 
         Sync-free: it runs after every optimizer step, and a host sync there (`nonzero`, `.item()`)
-        would leave the GPU idle while the next step is launched (measured on an H200 at the occworld
-        size: a quarter of the step). So every step draws one permutation and overwrites the dead rows
+        would leave the GPU idle while the next step is launched. So every step draws one permutation and overwrites the dead rows
         with `torch.where`, whether or not any code is dead."""
         if self.dead_code_steps <= 0:
             return 0
@@ -284,10 +283,10 @@ class VectorQuantizer(nn.Module):
 class _ClassEmbed(torch.autograd.Function):
     """The class embedding's rows for every voxel, w[occ] in `dtype`, keeping only the uint8 labels
     for the backward pass. torch's embedding backward on CUDA sorts all N*X*Y*Z indices first (20 M
-    per 32 frames at 200x200x16: 20 ms on an H200); here the weight's gradient is the sum of the
-    output gradients per class: on CUDA wm.kernels.embedding_grad (one-hot tiles in registers,
-    0.49 ms on an H200, against 4.2 ms for the one-hot matmul in torch, which writes the (P, C)
-    matrix first), elsewhere an index_add_ in float32. `fused`: the model's flag for that kernel."""
+    per 32 frames at 200x200x16); here the weight's gradient is the sum of the output gradients per
+    class: on CUDA wm.kernels.embedding_grad (one-hot tiles in registers, without the (P, C) matrix
+    the one-hot matmul in torch writes first; timings in BENCHMARKS.md, Kernels), elsewhere an
+    index_add_ in float32. `fused`: the model's flag for that kernel."""
 
     @staticmethod
     def forward(ctx, occ: Tensor, w: Tensor, dtype: torch.dtype, fused: bool) -> Tensor:

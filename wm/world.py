@@ -154,11 +154,9 @@ def short_causal_attention(q: Tensor, k: Tensor, v: Tensor, at: Tensor | None = 
     """Causal softmax attention over a SHORT sequence (the frames of one window: T <= 16), written as
     two batched matmuls. Same function as F.scaled_dot_product_attention(..., is_causal=True), but
     for T = 11 and head dims 16-64 the fused kernels (flash, cuDNN, mem-efficient), tiled for long
-    sequences, waste most of each tile: measured on an H200, forward + backward at the occworld
-    size (40 000 cells x 8 heads x 11 frames x 16): cuDNN (SDPA's pick) 14.6 ms, flash 23.9,
-    mem-efficient 11.4, SDPA's math path 7.5, this 6.6. On CUDA, TemporalLayer takes the Triton
-    kernels of wm.kernels.temporal_attention instead (kernels.temporal_attention; 0.7 ms at that size on an
-    H100). Long sequences (the tokenizer's and the pose layer's spatial attention) keep SDPA. `at`
+    sequences, waste most of each tile, so two small matmuls beat each of them. On CUDA,
+    TemporalLayer takes the Triton kernels of wm.kernels.temporal_attention instead
+    (kernels.temporal_attention; the timings: BENCHMARKS.md, Kernels). Long sequences (the tokenizer's and the pose layer's spatial attention) keep SDPA. `at`
     (tq,) long: the queries' frame positions among the keys' (a rollout step against the cached
     keys and values, RolloutCache; keys after a query's position are masked); default: q, k, v are
     the same frames. `key_at` (tk,) long: the keys' frame positions (default 0..tk-1; PackedCache
