@@ -5,8 +5,8 @@
     torchrun --nproc_per_node 8 train.py --cfg cfg.json
 """
 
-from wm.errors import run_cli
-from wm.train import main
+from wm.training.main import main
+from wm.utils.errors import run_cli
 
 if __name__ == "__main__":
     run_cli(main)

@@ -1,9 +1,7 @@
-"""Shared test helpers."""
+"""pytest's hooks and the shared fixtures (the tiny data set, trained runs, exports); the helpers the
+tests import are tests/helpers.py."""
 
-# ---------------------------------------------------------------------------------------------
-# training tests (tests/test_train.py, tests/test_distributed.py): the `slow` marker and a tiny
-# data set + config + process helpers
-
+import gc
 import os
 import shutil
 import signal
@@ -13,25 +11,82 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-from procs import Proc as _Proc  # noqa: E402
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One intra-op thread per pytest worker (and, inherited, per process it starts, unless the test
+    # sets its own): `-n 2` on 2 cores already keeps both busy, and a second spinning OpenMP thread in
+    # each worker (or in its subprocesses) oversubscribes the cores, making tiny models many times
+    # slower. Set before torch is imported; a test that wants more threads asks for them.
+    _ONE_THREAD = "OMP_NUM_THREADS" not in os.environ
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+else:
+    _ONE_THREAD = False
 
-OCCWORLD = ROOT / "configs" / "occworld.json"  # OccWorld's model sizes
+import torch  # noqa: E402
+
+if _ONE_THREAD:
+    torch.set_num_threads(1)
+
+from helpers import ROOT, Tiny, shared_once  # noqa: E402
+
+
+# Rough seconds of the long test files under `bash .ci/run` (2 workers, 2 cores). pytest-xdist's
+# --dist loadfile hands a worker the next file when it is almost done with its own, in collection
+# order (pytest_configure turns off xdist's own reordering, by number of tests, which put the few-test
+# long files last). Collected longest first, no long file starts near the end while the other worker
+# runs out of files. Approximate is enough; files not named (a few seconds each) follow in their order.
+FILE_SECONDS = {
+    "test_distributed.py": 180, "test_int8.py": 160, "test_train.py": 105, "test_sweep.py": 85,
+    "test_export.py": 75, "test_aoti.py": 65, "test_recipe.py": 45, "test_gpu_check.py": 43,
+    "test_memory_plan.py": 42, "test_tools.py": 37, "test_attack.py": 33, "test_reliability.py": 32,
+    "test_finetune.py": 31, "test_bench_train.py": 28, "test_int8_sensitivity.py": 27, "test_evaluate.py": 24,
+    "test_reliability4.py": 22, "test_compare.py": 21, "test_ckpt_checks.py": 18, "test_worker_errors.py": 17,
+    "test_world.py": 16, "test_tokenizer.py": 14, "test_bench_recipe.py": 13, "test_runlock.py": 12,
+}
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: multi-process training tests (they still run in CI)")
     config.addinivalue_line("markers", "cuda: needs a CUDA device (`pytest -m cuda`, tools/gpu_check.py)")
+    if getattr(config.option, "loadscopereorder", None):  # pytest-xdist: keep FILE_SECONDS' order
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
-    # a test that skips itself without CUDA is a CUDA test: `pytest -m cuda` selects them all
-    for item in items:
-        if any(m.kwargs.get("reason") == "needs CUDA" for m in item.iter_markers("skipif")):
-            item.add_marker(pytest.mark.cuda)
+    # a test marked cuda is skipped where there is none; `pytest -m cuda` selects them all
+    if not torch.cuda.is_available():
+        for item in items:
+            if item.get_closest_marker("cuda"):
+                item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+    # the long files first (FILE_SECONDS); each file's tests stay together and in their order
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.path, i)
+    items.sort(key=lambda item: (-FILE_SECONDS.get(item.path.name, 0), first[item.path]))
+
+
+_FROZEN_AT = [None]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Each test file starts with the objects alive so far (the imports, the collected tests, what
+    earlier files keep) frozen out of the garbage collector's sight (gc.freeze, after a collection
+    that frees what the last file left). The full collections a training run makes in this process
+    (wm.training.host_gc at each stage and validation, the memory plan's release: several a run) then go over
+    this file's objects only, not the hundreds of thousands a pytest worker holds (0.3-0.8 s each
+    on 2 cores). Nothing the tests create is frozen before its file starts."""
+    if item.path != _FROZEN_AT[0]:  # the previous file's module fixtures are torn down by now
+        _FROZEN_AT[0] = item.path
+        gc.collect()
+        gc.freeze()
+
+
+@pytest.fixture
+def tmp_path(tmp_path_factory):
+    """A fresh folder with a neutral name ("t0", "t1", ...): pytest's own embeds the test's name,
+    and a word a test asserts in a message ("missing", "truncated") must not pass by being in the path."""
+    return tmp_path_factory.mktemp("t")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -43,86 +98,14 @@ def subprocess_tmpdir():
     d = tempfile.mkdtemp(prefix="wm-tests-subprocesses-")
     old = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = d
+    Tiny.data_source = Path(d) / "tiny-data-source"  # Tiny's data set, written once, copied after
     yield Path(d)
+    Tiny.data_source = None
     if old is None:
         os.environ.pop("TMPDIR", None)
     else:
         os.environ["TMPDIR"] = old
     shutil.rmtree(d, ignore_errors=True)
-
-
-TINY_SETTINGS = {
-    "data.grid": "16,16,4",
-    "data.past": "2",
-    "data.future": "2",
-    "loader.num_workers": "0",
-    "tokenizer.widths": "8,8,8",
-    "tokenizer.mid_attention": "true",  # the export tests need the attention's MatMuls
-    "tokenizer.codebook_size": "16",
-    "tokenizer.code_dim": "8",
-    "tokenizer.dead_code_steps": "2",  # resets draw from the torch RNG: exact resume must cover it
-    "world.widths": "8,16",
-    "world.heads": "2",
-    "train.device": "cpu",
-    "train.amp": "fp32",  # the hand-checked numbers are fp32's ("auto" is bf16 on a CPU with AMX)
-    "logging.tensorboard": "false",
-    "logging.every": "1",
-    "train.stages": "tokenizer",
-    "tokenizer_stage.batch_size": "2",  # 24 frames: 12 steps per epoch
-    "tokenizer_stage.warmup_steps": "2",
-    "tokenizer_stage.max_steps": "4",
-    "world_stage.batch_size": "2",  # 18 windows: 9 steps per epoch
-    "world_stage.warmup_steps": "2",
-    "world_stage.max_steps": "4",
-}
-
-
-class Proc(_Proc):
-    """A training subprocess (tools/procs.py) on one intra-op thread, its output unbuffered."""
-
-    def __init__(self, cmd, env=None, cwd=ROOT):
-        super().__init__(cmd, {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}, cwd)
-
-
-class Tiny:
-    """A tiny synthetic data set (2 train scenes of 12 frames, 1 val scene, 16x16x4) and tiny
-    models; `args()` builds train.py arguments for a run folder under the test's tmp folder."""
-
-    def __init__(self, base: Path):
-        from wm.synthetic import write_synthetic
-
-        self.base = base
-        self.data = base / "data"
-        write_synthetic(self.data, train_scenes=2, val_scenes=1, frames=12, grid=(16, 16, 4))
-
-    def regenerate(self, seed: int) -> None:
-        import shutil
-
-        from wm.synthetic import write_synthetic
-
-        shutil.rmtree(self.data)
-        write_synthetic(self.data, train_scenes=2, val_scenes=1, frames=12, grid=(16, 16, 4), seed=seed)
-
-    def args(self, out: str = "runs", name: str = "r", flags=(), **over) -> list[str]:
-        s = dict(TINY_SETTINGS)
-        s["data.root"] = str(self.data)
-        s["run.out_dir"] = str(self.base / out)
-        s["run.name"] = name
-        for k, v in over.items():
-            s[k.replace("__", ".")] = str(v).lower() if isinstance(v, bool) else str(v)
-        out_args = []
-        for k, v in s.items():
-            out_args += ["--set", f"{k}={v}"]
-        return out_args + list(flags)
-
-    def run_dir(self, out: str = "runs", name: str = "r") -> Path:
-        return self.base / out / name
-
-    def cmd(self, *a, **kw) -> list[str]:
-        return [sys.executable, "train.py", *self.args(*a, **kw)]
-
-    def spawn(self, *a, **kw) -> Proc:
-        return Proc(self.cmd(*a, **kw))
 
 
 @pytest.fixture
@@ -132,7 +115,7 @@ def tiny(tmp_path_factory) -> Tiny:
 
 @pytest.fixture
 def restore_signals():
-    """wm.train.main installs SIGTERM/SIGINT handlers: put them back."""
+    """wm.training.main.main installs SIGTERM/SIGINT handlers: put them back."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     yield
     for s, h in saved.items():
@@ -146,19 +129,26 @@ def tiny_factory(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def trained_tiny(tiny_factory):
-    """A tiny run trained through both stages (2 + 2 steps), shared by the export tests."""
-    import wm.train as T
+def trained_tiny(tmp_path_factory):
+    """A tiny run trained through both stages (2 + 2 steps), shared by the export tests (trained
+    once per session: shared_once)."""
 
-    t = tiny_factory()
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        assert T.main(t.args(train__stages="tokenizer,world", tokenizer_stage__max_steps=2,
-                             world_stage__max_steps=2)) == 0
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
-    return t
+    def build(folder):
+        import wm.training.main as T
+
+        t = Tiny(folder)
+        saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            rc = T.main(t.args(train__stages="tokenizer,world", tokenizer_stage__max_steps=2,
+                               world_stage__max_steps=2))
+        finally:
+            for s, h in saved.items():
+                signal.signal(s, h)
+        return {"rc": rc}
+
+    info, folder = shared_once(tmp_path_factory, "trained_tiny", build)
+    assert info["rc"] == 0
+    return Tiny(folder, write=False)
 
 
 @pytest.fixture(scope="module")
@@ -182,14 +172,21 @@ def ev(trained_tiny, tmp_path_factory):
 def tiny_export(trained_tiny, tmp_path_factory):
     """One export.py run of trained_tiny that the export and benchmark tests read (an export takes
     tens of seconds here): FP32 and FP16 graphs, then INT8 calibration on 8 windows and the report
-    on all the val windows. `p`: the finished process, `out`: its folder."""
+    on all the val windows. `p`: the finished process (its returncode, stdout, stderr), `out`: its
+    folder. Run once per session (shared_once), as trained_tiny is trained once."""
     from types import SimpleNamespace
 
-    out = tmp_path_factory.mktemp("cli_export")
-    p = subprocess.run([sys.executable, "export.py", "--run", str(trained_tiny.run_dir()), "--out", str(out),
-                        "--fp16", "--int8", "--calib-windows", "8", "--eval-windows", "100"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
-    return SimpleNamespace(p=p, out=out)
+    def build(folder):
+        out = folder / "cli_export"
+        out.mkdir()
+        p = subprocess.run([sys.executable, "export.py", "--run", str(trained_tiny.run_dir()), "--out", str(out),
+                            "--fp16", "--int8", "--calib-windows", "8", "--eval-windows", "100"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+        return {"returncode": p.returncode, "stdout": p.stdout, "stderr": p.stderr, "out": str(out)}
+
+    r, _ = shared_once(tmp_path_factory, "tiny_export", build)
+    return SimpleNamespace(p=SimpleNamespace(returncode=r["returncode"], stdout=r["stdout"], stderr=r["stderr"]),
+                           out=Path(r["out"]))
 
 
 @pytest.fixture(scope="module")
@@ -202,74 +199,3 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def assert_same(a, b, where="state"):
-    """Recursive bitwise equality of checkpoint contents (tensors with torch.equal)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where} differs (max |diff| " \
-            f"{(a.double() - b.double()).abs().max().item() if a.is_floating_point() else 'int'})"
-    elif isinstance(a, dict):
-        assert set(a) == set(b), f"{where}: keys {sorted(a, key=str)} vs {sorted(b, key=str)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
-def count_checkpoints(monkeypatch, module) -> list:
-    """Route `module.checkpoint` through torch's, recording each checkpointed callable (and checking
-    the non-reentrant variant is used); returns the list it fills."""
-    import torch.utils.checkpoint
-
-    calls = []
-
-    def counting_checkpoint(fn, *args, **kw):
-        assert kw.get("use_reentrant") is False
-        calls.append(fn)
-        return torch.utils.checkpoint.checkpoint(fn, *args, **kw)
-
-    monkeypatch.setattr(module, "checkpoint", counting_checkpoint)
-    return calls
-
-
-def run_kernel_check(script: str, dev: str) -> None:
-    """Run a Triton kernel's check `script` (Python source with {root}, {tests} and {dev} slots that
-    prints OK when its checks pass) on `dev`: "cuda" in this process, the kernels compiled; "cpu" in a
-    subprocess with TRITON_INTERPRET=1, where Triton's interpreter runs them on CPU tensors, so a
-    machine without a GPU tests them (the variable must be set before triton is imported)."""
-    source = script.format(root=str(ROOT), tests=str(ROOT / "tests"), dev=dev)
-    if dev == "cuda":
-        exec(source, {})
-        return
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", source], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
-
-
-def read_png(path: Path):
-    """Decode wm.viz.write_png's PNGs (8-bit RGB, filter 0) to an (H, W, 3) array, to check what was drawn."""
-    import zlib
-
-    import numpy as np
-
-    b = path.read_bytes()
-    assert b[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, w, h = 8, b"", None, None
-    while pos < len(b):
-        n = int.from_bytes(b[pos:pos + 4], "big")
-        tag, body = b[pos + 4:pos + 8], b[pos + 8:pos + 8 + n]
-        assert zlib.crc32(tag + body) == int.from_bytes(b[pos + 8 + n:pos + 12 + n], "big")
-        if tag == b"IHDR":
-            w, h = int.from_bytes(body[:4], "big"), int.from_bytes(body[4:8], "big")
-            assert body[8:10] == bytes([8, 2])  # 8-bit RGB
-        elif tag == b"IDAT":
-            idat += body
-        pos += 12 + n
-    raw = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(h, 1 + 3 * w)
-    assert (raw[:, 0] == 0).all()
-    return raw[:, 1:].reshape(h, w, 3)

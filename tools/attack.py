@@ -12,7 +12,7 @@ uninterrupted one, or when the expected line does not appear. The exit status is
 
 Every trainer is a real `python train.py` / `export.py` subprocess in its own process group, on a
 16x16x4 synthetic data set (2 training scenes of 12 frames, 1 validation scene) and tiny models, the
-sizes tests/conftest.py uses; the kill -9 case forks its trainers from a fork server that imported
+sizes tests/helpers.py uses; the kill -9 case forks its trainers from a fork server that imported
 torch once (tools/kill_campaign.py's protocol and helpers). Everything is written under one
 temporary folder, removed at the end; no process is left behind.
 """
@@ -47,9 +47,9 @@ import kill_campaign as kc  # noqa: E402
 import procs  # noqa: E402  (imports torch; its fork server, helpers and comparisons)
 import torch  # noqa: E402
 
-import wm.checkpoint as ck  # noqa: E402
+import wm.checkpoint.files as ck  # noqa: E402
 
-TINY = {  # tests/conftest.py's TINY_SETTINGS
+TINY = {  # tests/helpers.py's TINY_SETTINGS
     "data.grid": "16,16,4", "data.past": "2", "data.future": "2", "loader.num_workers": "0",
     "tokenizer.widths": "8,8,8", "tokenizer.mid_attention": "true", "tokenizer.codebook_size": "16",
     "tokenizer.code_dim": "8", "tokenizer.dead_code_steps": "2", "world.widths": "8,16", "world.heads": "2",
@@ -62,7 +62,7 @@ STEPS = 24  # the tokenizer runs most cases resume: two epochs, a save every ste
 TOK = {"tokenizer_stage.max_steps": STEPS, "checkpoint.every": 1, "checkpoint.keep_last": 3,
        "tokenizer_stage.eval_every": 6}
 BOTH = {"train.stages": "tokenizer,world", "tokenizer_stage.max_steps": 2, "world_stage.max_steps": 2,
-        "checkpoint.every": 1}  # tests/test_reliability4.py's two-stage run
+        "checkpoint.every": 1}  # tests/reliability/test_reliability4.py's two-stage run
 RUN_S = 180  # the longest any one trainer may take here before it counts as hung
 
 
@@ -298,7 +298,7 @@ class Ctx:
     @property
     def data(self) -> Path:
         def build():
-            from wm.synthetic import write_synthetic
+            from wm.data.synthetic.generate import write_synthetic
 
             d = self.base / "data"
             write_synthetic(d, train_scenes=2, val_scenes=1, frames=12, grid=(16, 16, 4))
@@ -308,7 +308,7 @@ class Ctx:
     @property
     def data_mm(self) -> Path:
         def build():
-            from wm.synthetic import write_synthetic
+            from wm.data.synthetic.generate import write_synthetic
 
             d = self.base / "data_mm"
             write_synthetic(d, train_scenes=2, val_scenes=1, frames=12, grid=(16, 16, 4), kind="memmap")
@@ -375,7 +375,7 @@ class Ctx:
 
     @property
     def both(self) -> Path:
-        """tests/test_reliability4.py's runs: r (2 + 2 steps), r2 (3 + 3: its world checkpoints name
+        """tests/reliability/test_reliability4.py's runs: r (2 + 2 steps), r2 (3 + 3: its world checkpoints name
         another tokenizer), in one folder; returns the folder."""
         def build():
             res = run_all([train_cmd(self.args("both", "r", **BOTH)),
@@ -793,9 +793,9 @@ def _can_unshare() -> bool:
 
 FULL_DISK_PATCH = """
 import errno, re, sys
-import wm.checkpoint as ck
+import wm.checkpoint.files as ck
 real, first = ck._HashingWriter.write, int(sys.argv[1])
-class Full:  # the checkpoint file's writes, once the disk is full (tests/test_train.py's FullDisk)
+class Full:  # the checkpoint file's writes, once the disk is full (tests/training/test_train.py's FullDisk)
     def __init__(self, f):
         self.f = f
     def write(self, b):
@@ -808,8 +808,8 @@ def write(self, b):  # the disk fills up 4 KiB into the save of step `first` (an
         self.f = Full(self.f)
     return real(self, b)
 ck._HashingWriter.write = write
-from wm.errors import run_cli
-from wm.train import main
+from wm.utils.errors import run_cli
+from wm.training.main import main
 run_cli(lambda: main(sys.argv[2:]))
 """
 

@@ -4,7 +4,7 @@
     python tools/bench_data.py --windows 400 --workers 2 --json bench_data.json
     python tools/bench_data.py --cold                   # drop each layout's files from the page cache first
 
-The same synthetic frames are written as HDF5 shards (each compression in wm.shards.COMPRESSIONS,
+The same synthetic frames are written as HDF5 shards (each compression in wm.config.sections.COMPRESSIONS,
 with the fletcher32 chunk checksums wm writes, and the default compression once without them),
 as a memmap shard, and in Occ3D's layout (`<scene>/<frame>/labels.npz` holding `semantics`, one
 np.savez_compressed file per frame: the baseline). The same random windows (past + future frames
@@ -17,7 +17,7 @@ compression >= 2x at >= 30x fewer bytes than raw.
     python tools/bench_data.py --stream 80 --batch 32 --workers 6 --scenes 4   # the training stream
 
 `--stream STEP_MS`: instead, what a training step waits for data, from the memmap layout through
-the loop's own stream (wm.loop.BatchStream over wm.data.make_loader, single frames as the
+the loop's own stream (wm.training.loop.BatchStream over wm.data.windows.make_loader, single frames as the
 tokenizer trains on, `--batch` a step), the step itself simulated by sleeping STEP_MS (a GPU step
 at that pace): the wait per step, at the epoch's first step and at the others, for the loader
 that runs through the epochs (endless, what training uses) and for one that is started again at
@@ -40,13 +40,14 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wm.config import DataConfig  # noqa: E402
-from wm.config_runtime import LoaderConfig  # noqa: E402
-from wm.data import OccWindows, ResumableSampler, make_loader, relative_motion  # noqa: E402
-from wm.errors import run_cli  # noqa: E402
-from wm.shard_writer import ShardWriter  # noqa: E402
-from wm.shards import COMPRESSIONS, DEFAULT_COMPRESSION, Manifest  # noqa: E402
-from wm.synthetic import dataset_info, make_scene  # noqa: E402
+from wm.config.runtime import LoaderConfig  # noqa: E402
+from wm.config.sections import DataConfig  # noqa: E402
+from wm.config.sections import COMPRESSIONS, DEFAULT_COMPRESSION
+from wm.data.shards import Manifest  # noqa: E402
+from wm.data.synthetic.generate import dataset_info, make_scene  # noqa: E402
+from wm.data.windows import OccWindows, ResumableSampler, make_loader, relative_motion  # noqa: E402
+from wm.data.writer import ShardWriter  # noqa: E402
+from wm.utils.errors import run_cli  # noqa: E402
 
 
 class NpzWindows(Dataset):
@@ -108,8 +109,8 @@ def time_loader(ds, picks, workers: int, batch: int) -> float:
 
 def time_stream(root: Path, cfg: DataConfig, a) -> dict:
     """Wait for data per simulated step (ms), through the training stream, endless loader or not."""
-    import wm.loop as L
-    from wm.evaluate import frames_config
+    import wm.training.loop as L
+    from wm.evaluation.evaluate import frames_config
 
     ds = OccWindows(root, "train", frames_config(cfg))
     out = {}

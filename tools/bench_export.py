@@ -48,12 +48,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
 
-    import export as export_cli
+    from wm.export import main as export_cli
 
     t0 = time.perf_counter()
     train_s = None
     if a.cfg:
-        import wm.train as T
+        import wm.training.main as T
 
         out = Path(a.out)
         # the weights do not matter: a preset's global batch (80 frames a step) would only slow these steps
@@ -97,6 +97,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from wm.errors import run_cli
+    from wm.utils.errors import run_cli
 
     run_cli(main)

@@ -51,7 +51,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from wm.errors import WMError  # noqa: E402  (after the path: the tool runs from any folder)
+from wm.utils.errors import WMError  # noqa: E402  (after the path: the tool runs from any folder)
 
 STAGES = ("tokenizer", "world")
 ARMS = ("scratch", "finetune")
@@ -116,14 +116,15 @@ def layer(base: dict, preset: dict) -> tuple[dict, list[str]]:
 
 def apply_sets(d: dict, items) -> dict:
     """The `--set a.b=value` items into config dict `d`, each value typed as train.py types it
-    (wm.config: a list key takes 'a,b', a bool 'on'...); an unknown key is refused there."""
+    (wm.config.sections: a list key takes 'a,b', a bool 'on'...); an unknown key is refused there."""
     if not items:
         return d
-    from wm import config as C
+    from wm.config import sections as C
+    from wm.config import loading as CL
 
-    cfg = C.from_dict(C.Config, {k: v for k, v in d.items() if k != C.META_KEY})
+    cfg = CL.from_dict(C.Config, {k: v for k, v in d.items() if k != C.META_KEY})
     for item in items:
-        C.apply_override(cfg, item)
+        CL.apply_override(cfg, item)
         key = item.split("=", 1)[0].strip()
         v = cfg
         for part in key.split("."):
@@ -380,7 +381,7 @@ def table(curves: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# the plot: numpy into an RGB array, wm.viz for the text and the PNG
+# the plot: numpy into an RGB array, wm.data.viz for the text and the PNG
 
 COLOURS = {"scratch": (31, 119, 180), "finetune": (230, 85, 13)}
 AXIS, GRID, COPY_LAST = (0, 0, 0), (225, 225, 225), (110, 110, 110)
@@ -426,7 +427,7 @@ def panel(title: str, series: dict, before: Optional[tuple], hline: Optional[flo
           ylabel: str = "miou %", xlabel: str = "optimizer step") -> np.ndarray:
     """One chart: `series` {arm: [(step, value)]} as lines, `before` (step, value) a marker,
     `hline` a dashed horizontal line (copy-last), axes with tick labels, a title."""
-    from wm.viz import GLYPH_H, draw_text, text_width
+    from wm.data.viz import GLYPH_H, draw_text, text_width
 
     img = np.full((height, width, 3), 255, np.uint8)
     left, right, top, bottom = 70, 16, 34, 46
@@ -474,7 +475,7 @@ def panel(title: str, series: dict, before: Optional[tuple], hline: Optional[flo
 
 
 def legend_strip(width: int, with_copy_last: bool) -> np.ndarray:
-    from wm.viz import draw_text, text_width
+    from wm.data.viz import draw_text, text_width
 
     img = np.full((30, width, 3), 255, np.uint8)
     x = 16
@@ -614,7 +615,7 @@ def main(argv=None) -> int:
     summaries = {arm: json.loads((out / arm / "summary.json").read_text())
                  for arm in curves if (out / arm / "summary.json").is_file()}
     if a.png and curves:
-        from wm.viz import write_png
+        from wm.data.viz import write_png
 
         write_png(a.png, plot(curves))
         print(f"wrote {a.png}")
@@ -650,6 +651,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from wm.errors import run_cli
+    from wm.utils.errors import run_cli
 
     run_cli(main)

@@ -22,7 +22,7 @@ the device) and 4x4 poses (numpy), the future ego motion given. Rows (--modes):
   Forecaster(aoti_dir=...), with graph as one CUDA graph;
 - ort-fp32, ort-fp16, ort-int8: onnxruntime on the CPU, the exported graphs (--export folder:
   export.py's files; without one the FP32 and FP16 graphs are exported to a temporary folder, INT8
-  needs export.py --int8) run by the deployed host loop wm.export.forecast.forecast (its step graph
+  needs export.py --int8) run by the deployed host loop wm.export.deployed.forecast (its step graph
   takes and returns the key/value cache: each step after the first runs one frame; INT8 runs
   onnxruntime's copies, .int8-ort.onnx);
 - occworld-fp32 (and occworld-bf16, autocast): OccWorld's released model code from --occworld PATH
@@ -53,7 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wm.errors import WMError, first_line, run_cli  # noqa: E402
+from wm.utils.errors import WMError, first_line, run_cli  # noqa: E402
 
 TORCH_MODES = {"fp32": ("fp32", None, False), "bf16": ("bf16", None, False),
                "bf16-compile": ("bf16", "default", False), "bf16-cudagraphs": ("bf16", "reduce-overhead", False),
@@ -182,13 +182,13 @@ def past_occupancy(cfg, batch: int, device) -> torch.Tensor:
 def models(a, cfg):
     """(cfg, tokenizer, world, where the weights come from): the run's, or random ones of cfg."""
     if a.run:
-        from wm.trained import load_trained
+        from wm.checkpoint.trained import load_trained
 
         t = load_trained(a.run, a.ckpt)
         return t.cfg, t.tokenizer, t.world, f"run {a.run} ({t.ckpt})"
-    from wm.config import model_options
-    from wm.tokenizer import Tokenizer
-    from wm.world import WorldModel
+    from wm.config.sections import model_options
+    from wm.models.tokenizer import Tokenizer
+    from wm.models.world import WorldModel
 
     torch.manual_seed(0)
     tok = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid), **model_options(cfg, "tokenizer"))
@@ -201,7 +201,7 @@ def export_graphs(cfg, tok, world, out: Path, say) -> dict:
     import onnx
 
     from wm.export.onnx import OUTPUTS, dynamic_shapes, example_inputs, export_graph, fp16_model, graphs, save_checked
-    from wm.trained import Trained
+    from wm.checkpoint.trained import Trained
 
     t = Trained(cfg, tok.cpu(), world.cpu(), None, None, "")
     t0 = time.perf_counter()
@@ -215,11 +215,11 @@ def export_graphs(cfg, tok, world, out: Path, say) -> dict:
 
 
 def ort_engine(files: dict, threads: int):
-    """wm.export.forecast.OrtGraphs over `files` with onnxruntime's defaults (memory arena on: the
+    """wm.export.deployed.OrtGraphs over `files` with onnxruntime's defaults (memory arena on: the
     export report turns it off to bound its memory, a deployment keeps it) and `threads` threads."""
     import onnxruntime as ort
 
-    from wm.export.forecast import OrtGraphs
+    from wm.export.deployed import OrtGraphs
 
     class Ort(OrtGraphs):
         def session(self, name):
@@ -298,9 +298,9 @@ def aoti_rows(a, cfg, tok, world, device, done, say) -> None:
 
 
 def ort_rows(a, cfg, tok, world, done, say) -> dict:
-    from wm.export.report import graph_files
+    from wm.export.int8_report import graph_files
     from wm.forecaster import prepare_inputs
-    from wm.export.forecast import forecast
+    from wm.export.deployed import forecast
 
     modes = [m for m in a.modes if m in ORT_MODES]
     info: dict = {}
@@ -409,7 +409,7 @@ def guarded(mode: str, engine: str, fn, say) -> dict:
 
 
 def machine(device, threads: int) -> dict:
-    from wm.export.report import this_cpu
+    from wm.export.int8_report import this_cpu
 
     cpu, flags = this_cpu()
     out = {"cpu": cpu if cpu != "unknown" else platform.processor() or platform.machine(), "cpu_flags": flags,
@@ -486,8 +486,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the figures (every forecast's total and phases) here")
     a = ap.parse_args(argv)
 
-    from wm.atomic import write_bytes
-    from wm.config import load
+    from wm.utils.atomic import write_bytes
+    from wm.config.loading import load
 
     if a.device == "cuda" and not torch.cuda.is_available():
         raise WMError("--device cuda: no CUDA device here; use --device cpu")

@@ -22,11 +22,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wm.config import load, model_options  # noqa: E402
-from wm.errors import WMError, run_cli  # noqa: E402
-from wm.layers import count_parameters  # noqa: E402
-from wm.tokenizer import Tokenizer  # noqa: E402
-from wm.world import WorldModel  # noqa: E402
+from wm.config.loading import load
+from wm.config.sections import model_options  # noqa: E402
+from wm.models.layers import count_parameters  # noqa: E402
+from wm.models.tokenizer import Tokenizer  # noqa: E402
+from wm.models.world import WorldModel  # noqa: E402
+from wm.utils.errors import WMError, run_cli  # noqa: E402
 
 
 def build(cfg, ckpt_every=None):

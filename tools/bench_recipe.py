@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from wm.errors import WMError, first_line, run_cli  # noqa: E402
+from wm.utils.errors import WMError, first_line, run_cli  # noqa: E402
 
 STAGES = ("tokenizer", "world")
 STEP = re.compile(r"^(tokenizer|world) step (\d+)/(\d+) .* ([\d.]+) samples/s")
@@ -129,7 +129,7 @@ def phases(lines: list[tuple[float, str]]) -> dict:
 def recipe_time(cfg, measured: dict, occworld: Optional[dict] = None) -> dict:
     """The preset's whole schedule at the measured rates: per stage its steps x global batch at the
     steady rate, its validations, one compile."""
-    from wm.batching import stage_batch
+    from wm.training.batching import stage_batch
 
     out, total = {}, 0.0
     for stage in STAGES:
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     from bench_finetune import machine
 
-    from wm.config import load
+    from wm.config.loading import load
 
     if a.steps < 1:
         raise WMError(f"--steps must be >= 1, got {a.steps}")
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     import torch
 
-    from wm.wrappers import compiles as stage_compiles
+    from wm.training.wrappers import compiles as stage_compiles
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # train.device=auto's choice
     compiles = any(stage_compiles(recipe, device, getattr(recipe, f"{s}_stage").max_steps) for s in STAGES)
@@ -258,7 +258,7 @@ def main(argv=None) -> int:
         rep["occworld_rates_from"] = "measured in this run (occworld_code)" if a.occworld else "--occworld-rates"
     print(table(rep))
     if a.json:
-        from wm.atomic import write_bytes
+        from wm.utils.atomic import write_bytes
 
         write_bytes(a.json, json.dumps(rep, indent=1) + "\n")
         print(f"wrote {a.json}")

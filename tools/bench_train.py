@@ -9,14 +9,14 @@ activation checkpointing, token cache vs encoding on the fly, and what a checkpo
         --stage-batch tokenizer=32 --stage-batch world=16        # each stage at its own batch, one process
     python tools/bench_train.py --set train.device=cpu --variants fp32-b1,bf16 --steps 3 --warmup 1  # a CPU
 
-Every variant times `wm.loop.train_step`, the body of train.py's loop (grad_accum micro-batches,
+Every variant times `wm.training.loop.train_step`, the body of train.py's loop (grad_accum micro-batches,
 DDP no_sync, autocast, GradScaler, clipping, the all-reduced finite check, AdamW, after_step), fed
 by the same sampler, DataLoader and BatchStream as `fit`, after `--warmup` steps (under DDP every rank
 starts the timed steps together, as training's steps follow each other). Reported per
 variant: step time (ms; the timed span ends with a CUDA synchronize; the median step from CUDA
 events between step starts, since the host, as in `fit`, runs a step ahead of the GPU), samples/s
 (all ranks; the tokenizer's samples are frames), TFLOP/s and MFU (FLOPs of one step counted with
-torch.utils.flop_counter through wm.loop.count_flops, over the bf16 matrix-product peak this script
+torch.utils.flop_counter through wm.training.loop.count_flops, over the bf16 matrix-product peak this script
 measures on the same card in the same run with a big matmul; fp32 variants also against the
 fp32 peak as train.py runs it, i.e. with TF32; on a CPU the fp32 peak), max allocated memory (GiB,
 reset per variant; "act" = that peak minus what was allocated before the timed steps), and the
@@ -38,7 +38,7 @@ Variants (`--variants`, comma-separated; each runs for every stage of `--stages`
                     CUDA, the config's batch on a CPU; a CUDA out-of-memory ends the sweep
                     cleanly); the best samples/s is kept and is "the best batch" below.
   bf16-compile      the best batch with torch.compile (compile.enable=true).
-  graphs            bf16 + torch.compile + the captured step (compile.cuda_graphs, wm/step_graph.py)
+  graphs            bf16 + torch.compile + the captured step (compile.cuda_graphs, wm/training/step_graph.py)
                     at each batch of --stage-batch / --batches: what train.py runs on CUDA; the
                     small-batch checks compare its per-sample rates (world 4 and 1 against 16,
                     tokenizer 8 and 16 against 32).
@@ -58,7 +58,7 @@ default is every variant (on a CPU all but bf16-compile, whose compilation takes
 A variant that fails for another reason than memory is reported as an error and the rest still run.
 
 The world stage needs a tokenizer checkpoint: the bench writes a randomly initialised one (timing
-does not need a trained tokenizer) and builds the token cache from it with wm.token_cache's
+does not need a trained tokenizer) and builds the token cache from it with wm.training.token_cache's
 build_token_cache. The bench's run folder is a temporary folder under run.out_dir (same disk as real
 runs, for the save timing), removed at the end; the data set is the config's (data.root, or the
 built-in synthetic scenes: pass `--set synthetic.compression=gzip1`, or `synthetic.format=memmap`,
@@ -96,18 +96,19 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import wm.loop as L  # noqa: E402
-import wm.stages as S  # noqa: E402
-import wm.train as T  # noqa: E402
-from wm import distributed as D  # noqa: E402
-from wm.checkpoint import latest_checkpoint, rng_state  # noqa: E402
-from wm.checkpointer import Checkpointer  # noqa: E402
-from wm.config import load as load_config, model_options, to_dict  # noqa: E402
-from wm.errors import WMError, run_cli  # noqa: E402
-from wm.host_gc import GCPauses, StepGC  # noqa: E402
-from wm.run import Run  # noqa: E402
-from wm.step_graph import WARMUP as GW, GraphedStep, plain_optimizer_state, set_lr  # noqa: E402
-from wm.tokenizer import Tokenizer  # noqa: E402
+from wm.checkpoint.checkpointer import Checkpointer  # noqa: E402
+from wm.checkpoint.files import latest_checkpoint, rng_state  # noqa: E402
+from wm.checkpoint.run_folder import Run  # noqa: E402
+from wm.config.loading import load as load_config, to_dict
+from wm.config.sections import model_options  # noqa: E402
+from wm.models.tokenizer import Tokenizer  # noqa: E402
+from wm.training.host_gc import GCPauses, StepGC  # noqa: E402
+import wm.training.loop as L  # noqa: E402
+import wm.training.main as T  # noqa: E402
+import wm.training.stages as S  # noqa: E402
+from wm.training.step_graph import WARMUP as GW, GraphedStep, plain_optimizer_state, set_lr  # noqa: E402
+from wm.utils import distributed as D  # noqa: E402
+from wm.utils.errors import WMError, run_cli  # noqa: E402
 
 VARIANTS = ("fp32-b1", "bf16", "bf16-compile", "graphs", "recipe", "bf16-ckpt1", "bf16-ckptk", "onthefly",
             "onthefly-fp32-b1", "save")
@@ -203,7 +204,7 @@ class Runner:
     """fit's set-up for one stage, minus validation, checkpoints and logging: the model on the device,
     AdamW, the GradScaler, the resumable sampler, the DataLoader and BatchStream, the same seeding,
     DDP when world > 1 and torch.compile when compile.enable. `step()` sets the scheduled learning
-    rate and runs wm.loop.train_step: the loop's step, nothing else."""
+    rate and runs wm.training.loop.train_step: the loop's step, nothing else."""
 
     def __init__(self, stage, cfg, d: D.Dist, device: torch.device, dtype):
         self.stage, self.cfg, self.d, self.device, self.dtype = stage, cfg, d, device, dtype

@@ -17,7 +17,7 @@ was computed on other data, split or windows.
 Each difference (candidate - baseline, points) gets a paired bootstrap interval that resamples whole
 scenes (consecutive windows share frames), the same scenes for both models, and a verdict:
 worse (interval below -tolerance), better (above +tolerance), same (inside +-tolerance),
-inconclusive (otherwise, or with one scene). wm/compare.py has the details.
+inconclusive (otherwise, or with one scene). wm/experiments/compare.py has the details.
 
 Exit status: 0 pass; 1 regression (a gated metric, --metrics, default iou_avg,miou_avg, is worse;
 with --strict also inconclusive); 2 usage error (one line: a missing folder, not a wm run, models of
@@ -37,11 +37,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from wm.errors import ArgParser, WMError, run_cli  # noqa: E402
+from wm.utils.errors import ArgParser, WMError, run_cli  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from wm.compare import DEFAULT_METRICS, EXPORT_ROWS
+    from wm.experiments.compare import DEFAULT_METRICS, EXPORT_ROWS
 
     ap = ArgParser(prog="tools/compare.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", required=True, help="run folder, world checkpoint (.pt) or export folder")
@@ -87,7 +87,7 @@ def device_and_dtype(device: str, amp: str):
 
     import torch
 
-    from wm.train import amp_dtype
+    from wm.training.main import amp_dtype
 
     if device == "cuda" and not torch.cuda.is_available():
         raise WMError("--device cuda but no CUDA device is visible; use --device cpu or auto")
@@ -99,7 +99,7 @@ def device_and_dtype(device: str, amp: str):
 
 
 def write(path: str, text: str, what: str) -> None:
-    from wm.atomic import write_bytes
+    from wm.utils.atomic import write_bytes
 
     p = Path(path).expanduser()
     try:
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         if not Path(getattr(a, flag)).expanduser().exists():
             raise WMError(f"--{flag} {getattr(a, flag)} does not exist; pass a run folder (runs/<name>), a world "
                           "checkpoint (.pt) or an export folder")
-    from wm.run import unwritable
+    from wm.checkpoint.run_folder import unwritable
 
     for flag in ("json", "markdown"):  # before the scoring: a bad path costs no minutes
         out = getattr(a, flag)
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
             raise WMError(f"cannot write --{flag} {out} ({why}); choose another path")
     import torch
 
-    from wm.compare import compare, format_markdown, format_table, load_model, parse_metrics
+    from wm.experiments.compare import compare, format_markdown, format_table, load_model, parse_metrics
 
     with torch.no_grad():  # scoring only; a caller's grad mode is left as it was
         dev, dtype = device_and_dtype(a.device, a.amp)

@@ -70,14 +70,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wm.convert import add_writer_args, convert_and_report  # noqa: E402
-from wm.convert_frames import VISIBLE_BITS, YAW_UNITS, frames_scenes, median_rate, peek_grid  # noqa: E402
-from wm.recording_checks import (GRID_MULTIPLE, TIME_UNITS, check_range, grid_note, plan_fit,  # noqa: E402
-                                 rate_problem, time_unit_outliers, yaw_unit_note)
-from wm.datastats import moving_classes  # noqa: E402
-from wm.errors import DataError, run_cli  # noqa: E402
-from wm.shards import DatasetInfo, check_moving  # noqa: E402
-from wm.viz import parse_colors  # noqa: E402
+from wm.data.convert.engine import add_writer_args, convert_and_report  # noqa: E402
+from wm.data.convert.frames import VISIBLE_BITS, YAW_UNITS, frames_scenes, median_rate, peek_grid  # noqa: E402
+from wm.data.convert.recording_checks import (GRID_MULTIPLE, TIME_UNITS, check_range, grid_note, plan_fit,
+    rate_problem, time_unit_outliers, yaw_unit_note)
+from wm.data.shards import DatasetInfo, check_moving  # noqa: E402
+from wm.data.stats import moving_classes  # noqa: E402
+from wm.data.viz import parse_colors  # noqa: E402
+from wm.utils.errors import DataError, run_cli  # noqa: E402
 
 CLASS_KEYS = ("class_names", "free_class", "voxel_size", "range", "frame_rate_hz", "colors", "moving_classes")
 

@@ -31,10 +31,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wm.convert import add_writer_args, convert_and_report  # noqa: E402
-from wm.convert_occ3d import (MASK_BITS, MASK_MODES, OCC3D_GRID, QUAT_ORDERS, occ3d_info, occ3d_scenes,  # noqa: E402
-                              quat_order_warning)
-from wm.errors import run_cli  # noqa: E402
+from wm.data.convert.engine import add_writer_args, convert_and_report  # noqa: E402
+from wm.data.convert.occ3d import (MASK_BITS, MASK_MODES, OCC3D_GRID, QUAT_ORDERS, occ3d_info, occ3d_scenes,
+    quat_order_warning)
+from wm.utils.errors import run_cli  # noqa: E402
 
 
 def main(argv=None) -> int:

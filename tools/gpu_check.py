@@ -12,14 +12,14 @@ Each row is printed as soon as it is known, then the whole table.
 
 Rows:
   versions    torch, CUDA, cuDNN, NCCL, Triton and the GPUs (name, memory)
-  cuda tests  `pytest -m cuda tests` (the tests that skip themselves without CUDA: the Triton kernels
+  cuda tests  `pytest -m cuda tests` (the tests marked cuda: the Triton kernels
               against their references, the sync-free step, pinned checkpoint copies, the forecast as
               one CUDA graph), in a subprocess beside the step checks (--tests-timeout from the start)
-  steps       one training step of each stage (wm.loop.train_step, as fit runs it) eager and
+  steps       one training step of each stage (wm.training.loop.train_step, as fit runs it) eager and
               torch.compile'd from the same weights and batch, on one device: the loss and the gradient
               norm must agree within --loss-tol / --grad-tol (relative); the compiled step's first call
               (compilation included) is timed. Then "captured": the same steps compiled with and without
-              compile.cuda_graphs (wm/step_graph.py; warm-up, capture, replays), each loss within
+              compile.cuda_graphs (wm/training/step_graph.py; warm-up, capture, replays), each loss within
               --loss-tol; on CUDA the step must have been captured
   ddp steps   the same under DDP on --ranks processes (torchrun, NCCL; gloo on a CPU) when that many
               GPUs exist, in 1 MiB gradient buckets (several, as at the occworld sizes with 100 MiB);
@@ -58,8 +58,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from wm import distributed as D  # noqa: E402
-from wm.errors import WMError, first_line, run_cli  # noqa: E402
+from wm.utils import distributed as D  # noqa: E402
+from wm.utils.errors import WMError, first_line, run_cli  # noqa: E402
 
 CHECKS = ("versions", "tests", "steps", "ddp", "allreduce", "reads")
 RESULT = "GPUCHECK "  # a worker's result line
@@ -68,7 +68,7 @@ RESULT = "GPUCHECK "  # a worker's result line
 def graph_warmup() -> int:
     """The captured step's uncaptured warm-up steps (imported when needed: wm's models take seconds
     to import, and a machine without a GPU is told so at once)."""
-    from wm.step_graph import WARMUP
+    from wm.training.step_graph import WARMUP
 
     return WARMUP
 
@@ -134,7 +134,7 @@ def start_cuda_tests(device: str):
 def cuda_tests(proc, timeout: float) -> dict:
     """The row of start_cuda_tests' run, waiting at most `timeout` seconds more for it."""
     if proc is None:
-        return row("cuda tests", "SKIP", "no CUDA here: those tests skip themselves (pytest -m cuda)")
+        return row("cuda tests", "SKIP", "no CUDA here: the tests marked cuda are skipped (pytest -m cuda)")
     try:
         stdout, stderr = proc.communicate(timeout=max(timeout, 1.0))
     except subprocess.TimeoutExpired:
@@ -165,9 +165,9 @@ def first_failure(lines: list[str]) -> str:
 
 def reads(data: str, cfg, seconds: float) -> dict:
     """Random windows of `data` through OccWindows (shards -> dataset, as training reads them)."""
-    from wm.config import DataConfig
-    from wm.data import OccWindows
-    from wm.shards import load_manifest
+    from wm.config.sections import DataConfig
+    from wm.data.windows import OccWindows
+    from wm.data.shards import load_manifest
 
     try:
         m = load_manifest(data)
@@ -204,11 +204,11 @@ def load_bench():
 def worker(a) -> int:
     """Each stage: one step eager, one compiled, same weights and batch; with --allreduce-mib the
     bus bandwidth. Rank 0 prints one RESULT line."""
-    import wm.train as T
-    import wm.wrappers as W
-    from wm.config import load as load_config
-    from wm.run import Run
-    from wm.stages import TokenizerStage, WorldStage
+    import wm.training.main as T
+    import wm.training.wrappers as W
+    from wm.config.loading import load as load_config
+    from wm.checkpoint.run_folder import Run
+    from wm.training.stages import TokenizerStage, WorldStage
 
     B = load_bench()
     cfg = load_config(a.cfg, a.set)
@@ -218,7 +218,7 @@ def worker(a) -> int:
         device = d.device
         dtype = T.amp_dtype(cfg, device)
         if a.backend != "inductor":  # CPU tests: the same capture, without Inductor's compile time
-            import wm.loop as L
+            import wm.training.loop as L
 
             real = W.compiled
             # the loop holds its own reference to wrappers.compiled: both are replaced
@@ -377,8 +377,8 @@ def free_port() -> int:
 
 def make_data(work: Path, a) -> None:
     """A small synthetic data set at the config's grid: enough windows for --batch on --ranks ranks."""
-    from wm.config import load as load_config
-    from wm.synthetic import write_synthetic
+    from wm.config.loading import load as load_config
+    from wm.data.synthetic.generate import write_synthetic
 
     cfg = load_config(a.cfg, a.set)
     write_synthetic(work / "data", train_scenes=2 * max(a.ranks, 1), val_scenes=1,
@@ -428,7 +428,7 @@ def main(argv=None) -> int:
         raise WMError(f"no CUDA GPU is visible here (torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}): "
                       "nothing to check; run it on the GPU machine, or pass --device cpu to run the step, DDP (gloo), "
                       "all-reduce and read checks on this CPU (minutes)")
-    from wm.config import load as load_config
+    from wm.config.loading import load as load_config
 
     cfg = load_config(a.cfg, a.set)  # a bad --cfg / --set is one line before anything runs
     t_start = time.perf_counter()

@@ -26,13 +26,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wm.config import DataConfig  # noqa: E402
-from wm.data import OccWindows  # noqa: E402
-from wm.datastats import FACTOR, compare, moving_classes, sample_counts, stats_from_counts  # noqa: E402
-from wm.errors import DataError, run_cli  # noqa: E402
-from wm.metrics import step_label  # noqa: E402
-from wm.shards import MANIFEST, Shard, load_manifest, open_split, verify  # noqa: E402
-from wm.viz import class_palette, figure, write_png  # noqa: E402
+from wm.config.sections import DataConfig  # noqa: E402
+from wm.data.shards import MANIFEST, Shard, load_manifest, open_split, verify  # noqa: E402
+from wm.data.stats import FACTOR, compare, moving_classes, sample_counts, stats_from_counts  # noqa: E402
+from wm.data.viz import class_palette, figure, write_png  # noqa: E402
+from wm.data.windows import OccWindows  # noqa: E402
+from wm.evaluation.metrics import step_label  # noqa: E402
+from wm.utils.errors import DataError, run_cli  # noqa: E402
 
 
 def print_stats(stats: dict, class_names, free: int, pal: np.ndarray) -> None:

@@ -48,8 +48,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wm.atomic import write_bytes  # noqa: E402
-from wm.errors import WMError, run_cli  # noqa: E402
+from wm.utils.atomic import write_bytes  # noqa: E402
+from wm.utils.errors import WMError, run_cli  # noqa: E402
 
 KINDS = {".int8-ort": "onnxruntime's copy (.int8-ort.onnx)", ".int8": "TensorRT's file (.int8.onnx)"}
 
@@ -85,9 +85,9 @@ def record_calls(run_dir: Path, export: Path, windows: int, batch: int, folder: 
     of every call of `graphs` (default: all), the first `per_graph` of each (0: all), under
     `folder` (a world step's key/value cache is 0.6 GB at the occworld size): ([(graph, feed path)], windows)."""
     from wm.export.collect import batches, windows as pick
-    from wm.export.forecast import OrtGraphs, forecast
-    from wm.trained import load_trained
-    from wm.export.report import CPU_INT8, graph_files
+    from wm.export.deployed import OrtGraphs, forecast
+    from wm.checkpoint.trained import load_trained
+    from wm.export.int8_report import CPU_INT8, graph_files
 
     trained = load_trained(run_dir)
     cfg = trained.cfg
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     ap.add_argument("--replay", metavar="DIR", help="run the calls a --save wrote into DIR, instead of --run's")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
-    from wm.export.report import GRAPHS, graph_files, this_cpu
+    from wm.export.int8_report import GRAPHS, graph_files, this_cpu
 
     graphs = [g for g in a.graphs.split(",") if g]
     if not graphs or set(graphs) - set(GRAPHS):
@@ -264,7 +264,7 @@ def ways(calls: list, files: dict, n: int, qemu: list, name: str, flags: list, s
          json_out=None) -> int:
     """Run `calls` the three ways and the yardstick for each kind of `files` ({kind: {graph: file}}),
     the emulated way under `qemu` ([qemu-x86_64, -cpu, model]); print the table, write `json_out`."""
-    from wm.export.report import GRAPHS
+    from wm.export.int8_report import GRAPHS
 
     emulated = " ".join(["qemu", *qemu[1:]])
     say(f"{n} windows rolled out: {len(calls)} graph calls, each run natively ({name}), "

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wm.errors import WMError, run_cli  # noqa: E402
+from wm.utils.errors import WMError, run_cli  # noqa: E402
 
 
 def beside(own: dict, export_report: dict) -> list[str]:
@@ -71,9 +71,9 @@ def main(argv=None) -> int:
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
 
-    from wm.atomic import write_bytes
-    from wm.trained import load_trained
-    from wm.export.report import accuracy_report, format_report
+    from wm.utils.atomic import write_bytes
+    from wm.checkpoint.trained import load_trained
+    from wm.export.int8_report import accuracy_report, format_report
 
     run_dir = Path(a.run)
     export = Path(a.export) if a.export else run_dir / "export"

@@ -44,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wm.errors import WMError, run_cli  # noqa: E402
+from wm.utils.errors import WMError, run_cli  # noqa: E402
 
 GRAPH = "world_step"
 
@@ -93,7 +93,7 @@ def _rollouts(path, cfg, feeds, steps: int, threads: int) -> np.ndarray:
     (windows, steps, h, w) int64."""
     import torch
 
-    from wm.export.forecast import OrtGraphs, world_steps
+    from wm.export.deployed import OrtGraphs, world_steps
 
     torch.set_num_threads(threads)  # the cache's copies; several variants share the cores
     run = OrtGraphs({GRAPH: Path(path)}, threads)
@@ -140,7 +140,7 @@ def _encode(trained, n_windows: int, batch: int, work: Path, log) -> tuple[Path,
     import torch
 
     from wm.export.collect import batches, windows
-    from wm.export.forecast import TorchGraphs
+    from wm.export.deployed import TorchGraphs
     from wm.export.onnx import graphs
 
     cfg = trained.cfg
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     import onnx
 
     from wm.export.int8 import kept_float
-    from wm.trained import load_trained
+    from wm.checkpoint.trained import load_trained
 
     trained = load_trained(a.run)
     cfg = trained.cfg

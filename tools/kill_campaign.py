@@ -14,7 +14,7 @@ the seconds of an interpreter importing torch: on a loaded 2-core machine those 
 of a campaign. Every kill line, and every round's comparison, is printed as it happens. A "save" kill waits for a save to begin
 and strikes within its typical length; an "any" kill strikes at a uniform instant of the process's
 life (start-up, data, the token cache, training, validation). After every kill the tool checks
-that each stage folder still has a valid newest checkpoint (wm.checkpoint.newest_valid) and that
+that each stage folder still has a valid newest checkpoint (wm.checkpoint.files.newest_valid) and that
 the next run resumes no earlier than the newest step committed before the kill. When a run
 finishes before enough kills landed, the round is compared with the reference and a new round
 starts in a fresh folder.
@@ -41,8 +41,8 @@ os.environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # before torch: th
 
 import torch  # noqa: E402
 
-from wm.checkpoint import CheckpointError, load_checked, newest_valid, sha256_file  # noqa: E402
-from wm.errors import WMError, run_cli  # noqa: E402
+from wm.checkpoint.files import CheckpointError, load_checked, newest_valid, sha256_file  # noqa: E402
+from wm.utils.errors import WMError, run_cli  # noqa: E402
 
 SETTINGS = {  # tiny models on 16x16x4 frames; both stages; a save every step, best every 3
     "data.grid": "16,16,4", "data.past": "2", "data.future": "2", "loader.num_workers": "0",
@@ -60,9 +60,9 @@ def child_main(argv: list, out) -> None:
     own session; it marks each save and widens the instants between a save's renames."""
     import random
 
-    import wm.checkpointer as c
-    from wm.errors import run_cli
-    from wm.train import main
+    import wm.checkpoint.checkpointer as c
+    from wm.utils.errors import run_cli
+    from wm.training.main import main
 
     os.setsid()
     os.dup2(out.fileno(), 1)
@@ -89,7 +89,7 @@ def child_main(argv: list, out) -> None:
 
 
 FORKS = multiprocessing.get_context("forkserver")
-FORKS.set_forkserver_preload(["torch", "wm.train", "wm.checkpoint"])
+FORKS.set_forkserver_preload(["torch", "wm.training.main", "wm.checkpoint.files"])
 
 KEYS = ("model", "optimizer", "scaler", "sampler", "rng", "step")
 
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     base = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="wm-kills-"))
     t_start = time.time()
     try:
-        from wm.synthetic import write_synthetic
+        from wm.data.synthetic.generate import write_synthetic
 
         data = base / "data"
         if not (data / "manifest.json").exists():

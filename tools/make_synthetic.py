@@ -11,9 +11,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wm.errors import run_cli  # noqa: E402
-from wm.shards import COMPRESSIONS, DEFAULT_COMPRESSION  # noqa: E402
-from wm.synthetic import STYLES, write_synthetic  # noqa: E402
+from wm.config.sections import COMPRESSIONS, DEFAULT_COMPRESSION  # noqa: E402
+from wm.config.sections import STYLES
+from wm.data.synthetic.generate import write_synthetic  # noqa: E402
+from wm.utils.errors import run_cli  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -62,7 +62,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from wm.errors import WMError
+from wm.utils.errors import WMError
 
 MODEL_FILES = ("model/TransVQVAE.py", "model/transformer/PlanUtransformer.py", "config/occworld.py")
 # its training: the config of each stage, and what the step imports besides its model package

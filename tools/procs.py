@@ -1,6 +1,6 @@
 """A subprocess whose merged stdout/stderr a thread reads line by line, in a session of its own:
 wait for a line, for the exit (its group killed past a timeout), or kill its group. Shared by
-tools/attack.py and the tests' training subprocesses (tests/conftest.py)."""
+tools/attack.py and the tests' training subprocesses (tests/helpers.py)."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ Status (`status(run_dir)`; its first word is stable, scripts may split on it):
                             after its start: killed (kill -9, OOM, a lost node); rerun to resume
     not started             no config.json yet, or config.json only: no step logged, no checkpoint
     damaged: <file> ...     a file the table needs is not what wm writes (not JSON, cut short, unreadable)
-The end record is the {"kind": "run/end", "status", "error"} line wm/train.py appends to metrics.jsonl;
+The end record is the {"kind": "run/end", "status", "error"} line wm/training/main.py appends to metrics.jsonl;
 a status may end in "; metrics.jsonl's last line is cut short" (a kill mid-write: the next run drops it).
 Exit status: 0, or 2 with one line `error: ...` (no such folder, a bad --filter, an unknown --sort key).
 """
@@ -54,8 +54,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from wm import runlock  # noqa: E402
-from wm.errors import ArgParser, WMError, first_line, run_cli  # noqa: E402
+from wm.utils import runlock  # noqa: E402
+from wm.utils.errors import ArgParser, WMError, first_line, run_cli  # noqa: E402
 
 STAGES = ("tokenizer", "world")
 TAIL = 1 << 18  # bytes of metrics.jsonl read from its end: ~400 records (4000 steps at logging.every=10)

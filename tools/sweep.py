@@ -56,9 +56,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from wm import runlock  # noqa: E402
-from wm.atomic import write_bytes  # noqa: E402
-from wm.errors import ArgParser, ConfigError, Stopped, WMError, first_line, run_cli  # noqa: E402
+from wm.utils import runlock  # noqa: E402
+from wm.utils.atomic import write_bytes  # noqa: E402
+from wm.utils.errors import ArgParser, ConfigError, Stopped, WMError, first_line, run_cli  # noqa: E402
 
 SWEEP_LOCK = runlock.Use("sweep.lock", "sweep folder", "sweep lock", "that sweep", "choose another --out",
                          "choose a writable --out", keep=True)
@@ -147,10 +147,10 @@ def run_name(combo: list[tuple[str, str]]) -> str:
 
 
 def plan(cfg: Optional[str], grids, sets: list[str], out: Path) -> tuple[list[dict], bool]:
-    """Every run ({name, sets}), each combination loaded with wm.config's loader: an unknown key or a
+    """Every run ({name, sets}), each combination loaded with wm.config.sections's loader: an unknown key or a
     wrong value is refused here, naming its --grid / --set, before anything runs. Also whether every
     run has train.device=cpu."""
-    from wm.config import load, to_dict
+    from wm.config.loading import load, to_dict
 
     runs, seen, cpu = [], {}, True
     for combo in itertools.product(*[[(k, v) for v in vs] for k, vs in grids]):

@@ -5,10 +5,10 @@
     pred = f(past_occ, past_poses)        # (B, P, X, Y, Z) class ids, (B, P, 4, 4) ego->global poses
     pred.occ                              # (B, S, X, Y, Z) uint8, S = data.future
 
-It computes what --eval-only scores (wm.evaluate.forecast): the past frames encoded by the frozen
+It computes what --eval-only scores (wm.evaluation.evaluate.forecast): the past frames encoded by the frozen
 tokenizer, the world model rolled out with its key/value cache (WorldModel.rollout), the codes
 decoded and the argmax taken, under the same autocast. Poses become the model's ego motion the way
-the training windows get it (wm.data.relative_motion: x, y, yaw in the last past frame's axes).
+the training windows get it (wm.data.windows.relative_motion: x, y, yaw in the last past frame's axes).
 Given future poses (a planned trajectory) are used as the future ego motion, as --eval-only does
 with train.forecast_motion=given; without them the model predicts it.
 
@@ -18,7 +18,7 @@ it after: at batch 1 the forecast is bound by kernel launches (hundreds per worl
 replay skips. Each call's inputs are copied into the graph's own buffers and its outputs copied out,
 so results stay valid across calls.
 
-The run is loaded by wm.trained.load_trained (as evaluation and export load it): the best valid world checkpoint,
+The run is loaded by wm.checkpoint.trained.load_trained (as evaluation and export load it): the best valid world checkpoint,
 its tokenizer found by sha256, the two checkpoints' configs checked against each other as
 --eval-only checks them. Every input a caller can get wrong is refused with one line (WMError).
 """
@@ -36,15 +36,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from wm import compile_cache
-from wm.config import Config
-from wm.config_runtime import COMPILE_MODES
-from wm.data import relative_motion
-from wm.errors import WMError
-from wm.tokenizer import Tokenizer
-from wm.trained import load_trained
-from wm.world import WorldModel
-from wm.wrappers import compile_args
+from wm.checkpoint.trained import load_trained
+from wm.config.runtime import COMPILE_MODES
+from wm.config.sections import Config
+from wm.data.windows import relative_motion
+from wm.models.tokenizer import Tokenizer
+from wm.models.world import WorldModel
+from wm.training import compile_cache
+from wm.training.wrappers import compile_args
+from wm.utils.errors import WMError
 
 __all__ = ["Forecaster", "Prediction", "DTYPES", "prepare_inputs"]
 
@@ -131,7 +131,7 @@ def prepare_inputs(cfg: Config, device: torch.device, past_occ, past_poses, futu
                    steps: Optional[int] = None):
     """Forecaster's inputs checked (one-line WMError) and on `device`: occupancy uint8 (B, P, X, Y, Z),
     past motion (B, P, 3), future motion (B, S, 3) or None, S, and whether the input was batched /
-    numpy. Motion from the poses as the training windows get it (wm.data.relative_motion)."""
+    numpy. Motion from the poses as the training windows get it (wm.data.windows.relative_motion)."""
     as_numpy = isinstance(past_occ, np.ndarray)
     occ = torch.from_numpy(past_occ) if as_numpy else past_occ
     if not isinstance(occ, torch.Tensor):
@@ -164,7 +164,7 @@ def prepare_inputs(cfg: Config, device: torch.device, past_occ, past_poses, futu
     S = int(S)
     if fut is not None:
         poses = np.concatenate([poses, _poses(fut, "future poses", batched, B, S, "step")], 1)
-    motion = np.stack([relative_motion(p, P - 1) for p in poses])  # as the windows' motion (wm.data)
+    motion = np.stack([relative_motion(p, P - 1) for p in poses])  # as the windows' motion (wm.data.windows)
     motion = torch.from_numpy(motion).to(device)
     fut_motion = motion[:, P:] if fut is not None else None
     return occ.to(torch.uint8), motion[:, :P], fut_motion, S, batched, as_numpy
@@ -198,10 +198,10 @@ class Forecaster:
 
     `Forecaster.from_run(run)` loads a run folder; the constructor takes the models themselves (e.g.
     randomly initialised ones of a config, for timing). `dtype`: fp32 | bf16 | fp16 (autocast);
-    `compile`: None or a torch.compile mode (wm.config_runtime.COMPILE_MODES; reduce-overhead = CUDA graphs)
+    `compile`: None or a torch.compile mode (wm.config.runtime.COMPILE_MODES; reduce-overhead = CUDA graphs)
     for the tokenizer's encode and decode and the world model's step; `cuda_graph`: the whole forecast
     as one CUDA graph per input shape (see the module's docstring; with compile None or default).
-    `cache_dir`: with compile, a folder whose compile cache (wm.compile_cache, kind "forecast") is
+    `cache_dir`: with compile, a folder whose compile cache (wm.training.compile_cache, kind "forecast") is
     loaded before the first compile and written after each input shape that compiled, so the next
     process on the same kind of machine does not compile again (from_run: the run folder).
     `inductor`: with compile, Inductor options on top of the mode's (e.g. the tokenizer stage's

@@ -8,7 +8,7 @@ with `torch._inductor.aoti_compile_and_package`: the package holds the compiled 
 tuned launch settings, so loading it compiles and tunes nothing.
 
 A package runs only where it was compiled for: the same device kind, torch and (on a GPU) Triton
-and CUDA versions (wm.compile_cache.machine_key). Its name carries the shape and dtype and a
+and CUDA versions (wm.training.compile_cache.machine_key). Its name carries the shape and dtype and a
 16-digit key of the machine; `<package>.json` beside it records the key, the shapes, the
 checkpoints it was built from and its sha256. `load_package` refuses, in one line, a package of
 another machine, a damaged one, or one built from other checkpoints than the run's.
@@ -27,10 +27,10 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-import wm.compile_cache as compile_cache
-from wm.atomic import write_bytes
-from wm.checkpoint import sha256_file
-from wm.errors import WMError
+from wm.checkpoint.files import sha256_file
+import wm.training.compile_cache as compile_cache
+from wm.utils.atomic import write_bytes
+from wm.utils.errors import WMError
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Inductor's options of a tuned package: coordinate-descent launch settings per kernel and NHWC

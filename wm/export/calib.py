@@ -69,8 +69,8 @@ from pathlib import Path
 
 import numpy as np
 
-from wm.atomic import write_bytes
-from wm.errors import WMError
+from wm.utils.atomic import write_bytes
+from wm.utils.errors import WMError
 
 __all__ = [
     "CacheError",

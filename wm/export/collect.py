@@ -1,7 +1,7 @@
 """INT8 calibration data: real windows of the run's training split, streamed through the three
 graphs, and the 2048-bin |x| histograms of every tensor that feeds a quantized node.
 
-One loop for every engine (wm.export.forecast): per batch of windows, ``tokenizer_encode`` on all
+One loop for every engine (wm.export.deployed): per batch of windows, ``tokenizer_encode`` on all
 frames of the windows, ``world_step`` teacher-forced on the first min(P + S - 1, max_frames) frames
 (their codes and motion: one pass covers every position the rollout's steps see, on real rather
 than predicted codes) and ``tokenizer_decode`` on the codes of the future frames. The engine's taps
@@ -31,8 +31,8 @@ import torch
 
 from wm.export.calib import NUM_BINS, HistogramCollector
 from wm.export.quantizable import Int8Error
-from wm.logs import Progress
-from wm.world import kv_row_width
+from wm.models.world import kv_row_width
+from wm.utils.logs import Progress
 
 _CHUNK = 1 << 25  # values binned at once (bounds the int64 index temporary: 256 MiB)
 
@@ -44,7 +44,7 @@ _CHUNK = 1 << 25  # values binned at once (bounds the int64 index temporary: 256
 def windows(trained, root, split: str, n: int, what: str, log: Callable[[str], None] = print):
     """(OccWindows of `split`, `n` evenly spread window indices, data root). `n` <= 0, or more
     windows than the split has: every window of the split (the latter said in one line)."""
-    from wm.data import OccWindows, resolve_root
+    from wm.data.windows import OccWindows, resolve_root
 
     cfg = trained.cfg
     root = Path(root) if root else resolve_root(cfg, log=lambda *a, **k: None)

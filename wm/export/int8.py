@@ -23,7 +23,7 @@ TensorRT's EntropyCalibrator2) and handed to TensorRT in the graph itself:
    every x86 CPU),
    ``<name>.calib.cache`` (TensorRT's text format, same scales, ONNX tensor names) and
    ``<name>.calib.json`` (per-tensor amax/max/scale/rule).
-5. ``wm.export.report``: IoU/mIoU per future step on held-out windows (the run's VAL split) end to
+5. ``wm.export.int8_report``: IoU/mIoU per future step on held-out windows (the run's VAL split) end to
    end through the host loop, for PyTorch FP32, FP16, INT8 and copy-last.
 
 :func:`run_int8` is the single entry point ``export.py --int8`` calls: every step, ``report.json``
@@ -42,14 +42,13 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from wm.atomic import write_bytes
 from wm.export.calib import threshold_job, trt_version_number, write_cache
 from wm.export.collect import TappedOrt, collect, windows
+from wm.export.int8_report import CPU_INT8, GRAPHS as GRAPH_NAMES, accuracy_report, format_report, graph_files  # noqa: F401
 from wm.export.qdq import cpu_copy, qdq_scales, quantize_qdq  # noqa: F401
-from wm.export.quantizable import (FLOAT_OP_TYPES, HEAD_SCOPES, QUANT_OP_TYPES, Int8Error, _load,  # noqa: F401
-                                   _scope, activation_products, exact_range_tensors, output_heads,
-                                   pose_path, quantizable_inputs)
-from wm.export.report import CPU_INT8, GRAPHS as GRAPH_NAMES, accuracy_report, format_report, graph_files  # noqa: F401
+from wm.export.quantizable import (FLOAT_OP_TYPES, HEAD_SCOPES, QUANT_OP_TYPES, Int8Error, _load, _scope,
+    activation_products, exact_range_tensors, output_heads, pose_path, quantizable_inputs)
+from wm.utils.atomic import write_bytes
 
 
 __all__ = ["FLOAT_OP_TYPES", "HEAD_SCOPES", "QUANT_OP_TYPES", "GRAPH_NAMES", "Int8Error", "quantizable_inputs",
@@ -201,7 +200,7 @@ def int8_export(trained, out_dir, calib_windows: int = 128, batch: int = 2, trt_
     wanted = {g: [t for t, users in tensors[g].items() if any(u not in floats[g] for u in users)] for g in GRAPH_NAMES}
     ds, idx, _ = windows(trained, root, split, calib_windows, "--calib-windows", log)
     if engine == "torch":
-        from wm.export.forecast import ProgramGraphs
+        from wm.export.deployed import ProgramGraphs
 
         if not programs:
             raise Int8Error("the torch calibration engine needs the exported programs of this export; "

@@ -11,7 +11,7 @@ Graphs (batch dimension dynamic in all of them):
 - `tokenizer_decode.onnx`: codes int64 (B, X/d, Y/d) -> logits float32 (B, C, X, Y, Z).
 
 The forecast (past occupancy + motion -> future occupancy) is the host loop of
-:mod:`wm.export.forecast` over them: encode the past frames, call `world_step` on them and then once
+:mod:`wm.export.deployed` over them: encode the past frames, call `world_step` on them and then once
 per further future frame on the frame just predicted (appending its codes and motion, or the given
 future motion; the host keeps the cache), decode. Why not one unrolled graph:
 at the `occworld` size the encoder + 6 world-model steps + decoder unrolled into one graph took
@@ -41,11 +41,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from wm.atomic import discard, publish, tmp_path
-from wm.errors import WMError
-from wm.tokenizer import Tokenizer
-from wm.trained import Trained
-from wm.world import WorldModel
+from wm.checkpoint.trained import Trained
+from wm.models.tokenizer import Tokenizer
+from wm.models.world import WorldModel
+from wm.utils.atomic import discard, publish, tmp_path
+from wm.utils.errors import WMError
 
 
 class ExportError(WMError):
@@ -128,7 +128,7 @@ def world_max_batch(cfg, h: int, w: int, max_batch: int, cache_gib: float = 8.0)
     cache at max_frames frames, read (kv) and returned (new_kv), each (B, max_frames, F) float32,
     would pass `cache_gib`: TensorRT sizes an engine's memory for its profile's largest shapes, and
     at the `occworld` size one window's cache is 1 GiB (at 64 windows an engine no GPU holds)."""
-    from wm.world import kv_row_width
+    from wm.models.world import kv_row_width
 
     per_window = 2 * cfg.world.max_frames * kv_row_width(cfg.world, cfg.tokenizer.codebook_size, h, w) * 4
     return max(1, min(int(max_batch), int(cache_gib * 2**30 // per_window)))

@@ -38,11 +38,11 @@ from pathlib import Path
 
 import numpy as np
 
-from wm.errors import WMError
 from wm.export.calib import scale_from_amax
 from wm.export.onnx import save_checked
-from wm.export.quantizable import (FLOAT_OP_TYPES, QUANT_OP_TYPES, Int8Error, _data_input_slots, _load,
-                                   _one_line, activation_products, output_heads, pose_path, quantizable_inputs)
+from wm.export.quantizable import (FLOAT_OP_TYPES, QUANT_OP_TYPES, Int8Error, _data_input_slots, _load, _one_line,
+    activation_products, output_heads, pose_path, quantizable_inputs)
+from wm.utils.errors import WMError
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Optional
 
-from wm.errors import WMError
+from wm.utils.errors import WMError
 
 
 QUANT_OP_TYPES = ("Conv", "ConvTranspose", "MatMul", "Gemm")

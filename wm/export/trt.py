@@ -25,7 +25,7 @@ Written against the TensorRT 10.x and 11.x Python APIs:
   all of this; 11.x removed ``BuilderFlag.INT8``/``FP16``, ``IBuilderConfig.int8_calibrator`` and the
   calibrator classes, so on 11.x it is refused with one line before any of them is touched.
 
-Every failure a user can cause is a :class:`wm.errors.WMError` with one line that names the file
+Every failure a user can cause is a :class:`wm.utils.errors.WMError` with one line that names the file
 and carries TensorRT's own parser/builder messages.
 """
 
@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from wm.atomic import write_bytes
-from wm.errors import WMError
+from wm.utils.atomic import write_bytes
+from wm.utils.errors import WMError
 
 __all__ = [
     "TrtError",

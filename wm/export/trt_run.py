@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from wm.export.trt import (TrtError, available, build_engine, import_trt, make_logger, messages_tail,
-                           onnx_profile_shapes, trt_version, trtexec_command)
+    onnx_profile_shapes, trt_version, trtexec_command)
 
 __all__ = ["TrtRunner", "torch_dtype", "deploy"]
 

@@ -1,0 +1,1 @@
+"""Converting recorded data sets (Occ3D-nuScenes, own recordings) into shards."""

@@ -1,0 +1,1 @@
+"""The built-in data set: procedural scenes in three styles, written as shards and cached."""

@@ -1,0 +1,1 @@
+"""Evaluation under OccWorld's protocol: metrics, the evaluation run, the final table."""

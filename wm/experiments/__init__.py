@@ -1,0 +1,1 @@
+"""Comparing runs: the regression gate between two trained world models."""
