@@ -192,8 +192,8 @@ class OnTheFlyWorld:
     def inductor_options(self) -> dict:
         return self.ws.inductor_options()
 
-    def after_step(self, model: nn.Module, d: D.Dist, skipped: torch.Tensor) -> None:
-        self.ws.after_step(model, d, skipped)
+    def after_step(self, model: nn.Module, dist: D.Dist, skipped: torch.Tensor) -> None:
+        self.ws.after_step(model, dist, skipped)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,15 +206,15 @@ class Runner:
     DDP when world > 1 and torch.compile when compile.enable. `step()` sets the scheduled learning
     rate and runs wm.training.loop.train_step: the loop's step, nothing else."""
 
-    def __init__(self, stage, cfg, d: D.Dist, device: torch.device, dtype):
-        self.stage, self.cfg, self.d, self.device, self.dtype = stage, cfg, d, device, dtype
-        p = L.stage_parts(stage, cfg, d, device, dtype)
+    def __init__(self, stage, cfg, dist: D.Dist, device: torch.device, dtype):
+        self.stage, self.cfg, self.dist, self.device, self.dtype = stage, cfg, dist, device, dtype
+        p = L.stage_parts(stage, cfg, dist, device, dtype)
         self.s, self.model, self.batch, self.opt, self.scaler = p.s, p.model, p.batch, p.opt, p.scaler
         self.sampler, self.loader, self.total = p.sampler, p.loader, p.total
-        L.seed_all(cfg.run.seed * 1000 + d.rank)
-        self.run_step, self.compiling = L.make_step(stage, p, cfg, device, dtype, d, say=lambda *a, **k: say(d, *a, **k))
+        L.seed_all(cfg.run.seed * 1000 + dist.rank)
+        self.run_step, self.compiling = L.make_step(stage, p, cfg, device, dtype, dist, say=lambda *a, **k: say(dist, *a, **k))
         self.graphed = isinstance(self.run_step, GraphedStep)
-        self.next_batch = L.BatchStream(self.loader, self.sampler, self.batch * d.world_size)
+        self.next_batch = L.BatchStream(self.loader, self.sampler, self.batch * dist.world_size)
         self.step_no = 0
         self.model.train()
 
@@ -227,7 +227,7 @@ class Runner:
 
     def state(self) -> dict:
         """What fit checkpoints (every rank takes part: the RNG states are gathered)."""
-        rng = D.gather_objects(rng_state(), self.d)
+        rng = D.gather_objects(rng_state(), self.dist)
         return {"model": self.model.state_dict(), "optimizer": plain_optimizer_state(self.opt),
                 "scaler": self.scaler.state_dict(), "sampler": self.sampler.state_dict(),
                 "step": self.step_no, "epoch": self.sampler.epoch, "rng": rng, "config": to_dict(self.cfg)}
@@ -242,8 +242,8 @@ class Runner:
 
 
 class Bench:
-    def __init__(self, run: Run, d: D.Dist, device: torch.device, a, peaks: dict):
-        self.run, self.d, self.device, self.a, self.peaks = run, d, device, a, peaks
+    def __init__(self, run: Run, dist: D.Dist, device: torch.device, a, peaks: dict):
+        self.run, self.dist, self.device, self.a, self.peaks = run, dist, device, a, peaks
         self.cuda = device.type == "cuda"
 
     def variant_cfg(self, stage: str, amp: str, batch: int, compile_: bool = False, ckpt_every: int = 0,
@@ -273,19 +273,19 @@ class Bench:
 
     def _agree(self, value: float, op: str) -> float:
         t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
-        return float(D.all_reduce_(t, self.d, op=op).item())
+        return float(D.all_reduce_(t, self.dist, op=op).item())
 
     def _agree_each(self, values: list) -> list:
         """Each value's maximum over the ranks, in one collective."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        return D.all_reduce_(t, self.d, op="max").tolist()
+        return D.all_reduce_(t, self.dist, op="max").tolist()
 
     def measure(self, stage: str, name: str, cfg, onthefly: bool = False) -> dict:
         """Build the variant, warm up, count the FLOPs of a step, time `--steps` steps."""
-        a, d, device = self.a, self.d, self.device
+        a, dist, device = self.a, self.dist, self.device
         dtype = T.amp_dtype(cfg, device)
         st = self.make_stage(stage, cfg, dtype, onthefly)
-        runner = Runner(st, cfg, d, device, dtype)
+        runner = Runner(st, cfg, dist, device, dtype)
         try:
             # at least one untimed step after the FLOP count: a one-off its eager pass leaves (on
             # CUDA, an allocator cache laid out for that pass) is not a training step
@@ -307,7 +307,7 @@ class Bench:
                 mallocs = allocator_calls(device)
             # every rank starts the timed steps together: else the first step's all-reduce holds the
             # ranks that finished the FLOP count early, a wait that training never has
-            D.barrier(d)
+            D.barrier(dist)
             per_step, host, wait, samples, skipped, marks, prev = [], [], 0.0, 0, 0, [], None
             gc_ms = []
             # the collector as fit runs it (ddp.gc_every), and the time each step spends in it
@@ -365,8 +365,8 @@ class Bench:
         s = runner.s  # as this world size runs it: micro-batch and accumulation
         prec = "fp32" if dtype is None else {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
         rec = {"stage": stage, "variant": name, "status": "ok", "amp": prec, "batch": runner.batch,
-               "grad_accum": s.grad_accum, "global_batch": runner.batch * s.grad_accum * d.world_size,
-               "world_size": d.world_size, "compile": runner.compiling, "compile_mode": cfg.compile.mode,
+               "grad_accum": s.grad_accum, "global_batch": runner.batch * s.grad_accum * dist.world_size,
+               "world_size": dist.world_size, "compile": runner.compiling, "compile_mode": cfg.compile.mode,
                "cuda_graphs": runner.graphed, "first_step_s": self._agree(first_s, "max"), "stage_steps": runner.total,
                "checkpoint_every": getattr(cfg.activation_checkpoint, f"{stage}_every"),
                "data": ("occupancy windows, encoded each step" if onthefly else
@@ -379,14 +379,14 @@ class Bench:
                "gc_every": cfg.ddp.gc_every, "host_gc_ms_each": in_gc, "host_gc_ms_max": max(in_gc),
                "cuda_malloc_calls": mallocs[0], "alloc_retries": mallocs[1],
                "samples_per_s": sps, "flops_per_sample": flops_per_sample,
-               "flops_per_step": flops_per_sample * runner.batch * s.grad_accum * d.world_size,
+               "flops_per_step": flops_per_sample * runner.batch * s.grad_accum * dist.world_size,
                "tflops_per_s": achieved / 1e12, "max_mem_gib": peak, "act_mem_gib": act,
                "data_wait_frac": wait_frac, "loss": loss, "skipped_steps": skipped}
         ref = "bf16" if "bf16" in self.peaks else "fp32"
-        rec["mfu"] = achieved / (self.peaks[ref] * 1e12 * d.world_size)
+        rec["mfu"] = achieved / (self.peaks[ref] * 1e12 * dist.world_size)
         rec["mfu_peak"] = ref
         if prec == "fp32" and ref != "fp32":  # fp32 (TF32) steps also against their own peak
-            rec["mfu_fp32_peak"] = achieved / (self.peaks["fp32"] * 1e12 * d.world_size)
+            rec["mfu_fp32_peak"] = achieved / (self.peaks["fp32"] * 1e12 * dist.world_size)
         return rec
 
     def profile(self, stage: str, cfg, steps: int, top: int = 15) -> dict:
@@ -396,7 +396,7 @@ class Bench:
 
         dtype = T.amp_dtype(cfg, self.device)
         st = self.make_stage(stage, cfg, dtype)
-        runner = Runner(st, cfg, self.d, self.device, dtype)
+        runner = Runner(st, cfg, self.dist, self.device, dtype)
         try:
             for _ in range(max(self.a.warmup, 2)):
                 runner.step()
@@ -478,16 +478,16 @@ class Bench:
                     "status": "oom" if code == 2 else (status if status != "ok" else "error on another rank"),
                     "compile": cfg.compile.enable, "compile_mode": cfg.compile.mode,
                     "checkpoint_every": getattr(cfg.activation_checkpoint, f"{stage}_every"),
-                    "world_size": self.d.world_size}
+                    "world_size": self.dist.world_size}
         return rec
 
     # -- checkpoint save: the loop's blocked time, async vs synchronous
 
     def save_variant(self, stage: str, cfg) -> dict:
-        a, d, device = self.a, self.d, self.device
+        a, dist, device = self.a, self.dist, self.device
         dtype = T.amp_dtype(cfg, device)
         st = self.make_stage(stage, cfg, dtype)
-        runner = Runner(st, cfg, d, device, dtype)
+        runner = Runner(st, cfg, dist, device, dtype)
         folder = self.run.dir / "bench_saves" / stage
         try:
             for _ in range(max(1, a.warmup)):  # AdamW's state exists from the first step
@@ -497,7 +497,7 @@ class Bench:
             for i in range(a.saves):
                 t = time.perf_counter()  # both ways timed from the state's gathering on
                 state = runner.state()
-                if d.is_main:
+                if dist.is_main:
                     folder.mkdir(parents=True, exist_ok=True)
                     path = folder / f"sync_{i}.pt"
                     with open(path, "wb") as f:
@@ -512,7 +512,7 @@ class Bench:
             # the async Checkpointer as fit uses it: state copied to CPU, written in the background
             # while training goes on (at least --save-gap steps, and until the write is done, as
             # with checkpoint.every steps between saves)
-            ck = Checkpointer(folder / "async", keep_last=2, async_save=True) if d.is_main else None
+            ck = Checkpointer(folder / "async", keep_last=2, async_save=True) if dist.is_main else None
             blocked, write_s, gap_ms = [], [], []
             for i in range(a.saves):
                 t = time.perf_counter()
@@ -523,7 +523,7 @@ class Bench:
                 del state
                 n = 0
                 while n < a.save_gap or D.any_rank(bool(ck and getattr(ck, "_thread", None) is not None
-                                                        and ck._thread.is_alive()), d):
+                                                        and ck._thread.is_alive()), dist):
                     ts = time.perf_counter()
                     runner.step()
                     gap_ms.append(1e3 * (time.perf_counter() - ts))
@@ -537,11 +537,11 @@ class Bench:
                 ck.close()
         finally:
             runner.close()
-            if d.is_main:
+            if dist.is_main:
                 shutil.rmtree(folder, ignore_errors=True)
         rec = {"stage": stage, "variant": "save", "status": "ok", "batch": runner.batch, "amp": cfg.train.amp,
-               "world_size": d.world_size, "saves": a.saves, "checkpoint_mib": size / 2**20}
-        if d.is_main:
+               "world_size": dist.world_size, "saves": a.saves, "checkpoint_mib": size / 2**20}
+        if dist.is_main:
             rec.update({"sync_save_s": statistics.median(sync_s), "async_blocked_s": statistics.median(blocked),
                         "async_blocked_s_all": blocked, "async_write_s": statistics.median(write_s),
                         "step_ms_between_saves": statistics.median(gap_ms) if gap_ms else None})
@@ -764,10 +764,10 @@ def main(argv=None) -> int:
         return scaling_report(*a.scaling)
     cfg = load_config(a.cfg, a.set)
     cfg.logging.tensorboard, cfg.logging.images = False, False
-    d = D.init(cfg.train.device, cfg.ddp.timeout_s)
+    dist = D.init(cfg.train.device, cfg.ddp.timeout_s)
     base = None
     try:
-        device = d.device
+        device = dist.device
         cuda = device.type == "cuda"
         if cuda:  # as train.py
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -775,34 +775,34 @@ def main(argv=None) -> int:
             if not torch.cuda.is_bf16_supported():
                 raise WMError("this GPU has no bf16; the bf16 variants need it")
         # the bench's run folder: beside real runs (same disk: the save timing means something)
-        if d.is_main:
+        if dist.is_main:
             Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
             base = tempfile.mkdtemp(prefix=".bench-train-", dir=cfg.run.out_dir)
-        base = D.broadcast_object(base, d)
+        base = D.broadcast_object(base, dist)
         cfg.run.out_dir, cfg.run.name = base, "bench"
-        run = Run(cfg, d)
+        run = Run(cfg, dist)
         card = torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine()
         peaks = measure_peaks(device)
-        peaks = D.broadcast_object(peaks, d)
-        say(d, f"{card}, {d.world_size} process(es); matmul peak measured: "
+        peaks = D.broadcast_object(peaks, dist)
+        say(dist, f"{card}, {dist.world_size} process(es); matmul peak measured: "
             + ", ".join(f"{k} {v:.3g} TFLOP/s" for k, v in peaks.items()), file=sys.stderr)
-        bench = Bench(run, d, device, a, peaks)
+        bench = Bench(run, dist, device, a, peaks)
         if a.variants is None:
             a.variants = [v for v in VARIANTS if cuda or v != "bf16-compile"]
         results, sweeps, profiles = [], {}, {}
         tok_frames = OCCWORLD["tokenizer_frames_per_sample"]
         for stage in a.stages:
             if stage == "world":
-                ensure_tokenizer_checkpoint(run, d)
+                ensure_tokenizer_checkpoint(run, dist)
             base_batch = {"tokenizer": tok_frames, "world": 1}[stage]  # "batch 1" in OccWorld's units
 
             def report(rec):
                 results.append(rec)
                 if rec.get("status") == "ok" and "samples_per_s" in rec:
-                    say(d, f"  {stage} {rec['variant']} batch {rec['batch']}: {rec['step_ms']:.1f} ms/step, "
+                    say(dist, f"  {stage} {rec['variant']} batch {rec['batch']}: {rec['step_ms']:.1f} ms/step, "
                         f"{rec['samples_per_s']:.2f} samples/s, MFU {100 * rec['mfu']:.1f}%", file=sys.stderr)
                 else:
-                    say(d, f"  {stage} {rec['variant']}: {rec.get('status')}", file=sys.stderr)
+                    say(dist, f"  {stage} {rec['variant']}: {rec.get('status')}", file=sys.stderr)
 
             batches = a.stage_batch.get(stage) or a.batches or (
                 [1, 2, 4, 8, 16, 32, 64] if cuda else [getattr(cfg, f"{stage}_stage").batch_size or cfg.data.batch_size])
@@ -819,7 +819,7 @@ def main(argv=None) -> int:
                     for b in batches:
                         rec = bench.attempt(stage, v, bench.variant_cfg(stage, "bf16", b))
                         sweep.append(rec)
-                        say(d, f"  {stage} bf16 batch {b}: " + (f"{rec['samples_per_s']:.2f} samples/s"
+                        say(dist, f"  {stage} bf16 batch {b}: " + (f"{rec['samples_per_s']:.2f} samples/s"
                                                                  if rec["status"] == "ok" else rec["status"]),
                             file=sys.stderr)
                         if rec["status"] != "ok":
@@ -856,7 +856,7 @@ def main(argv=None) -> int:
                 p = bench.profile(stage, pcfg, a.profile)
                 p["compile"] = a.profile_compile
                 profiles[stage] = p
-                if d.is_main:
+                if dist.is_main:
                     print(f"\nprofile, {stage} stage, batch {p['batch']}: {p['wall_ms_per_step']:.1f} ms/step wall"
                           + (f", GPU busy {p['device_busy_ms_per_step']:.1f} ms/step" if p["device_busy_ms_per_step"] else ""))
                     for kind, ms in p["split_ms_per_step"].items():
@@ -868,8 +868,8 @@ def main(argv=None) -> int:
 
         extra = extrapolate(results)
         found = checks(results, extra, cuda, card)
-        if d.is_main:
-            print(f"\n{a.cfg or 'demo config'}: {card}, {d.world_size} {'GPU(s)' if cuda else 'process(es)'}, "
+        if dist.is_main:
+            print(f"\n{a.cfg or 'demo config'}: {card}, {dist.world_size} {'GPU(s)' if cuda else 'process(es)'}, "
                   f"torch {torch.__version__}; "
                   f"{a.steps} timed steps after {a.warmup} warm-up; batch = per GPU (tokenizer: frames, world: windows "
                   f"of {cfg.data.window} frames); MFU over the measured {'bf16' if cuda else 'fp32'} matmul peak "
@@ -887,7 +887,7 @@ def main(argv=None) -> int:
             for name, ok in found:
                 print(f"{'PASS' if ok else 'FAIL'}  {name}")
             if a.json:
-                out = {"machine": {"device": card, "world_size": d.world_size, "cpus": os.cpu_count(),
+                out = {"machine": {"device": card, "world_size": dist.world_size, "cpus": os.cpu_count(),
                                    "torch": torch.__version__, "cuda": torch.version.cuda,
                                    "platform": platform.platform()},
                        "settings": {"cfg": a.cfg, "set": a.set, "stages": a.stages, "variants": a.variants,
@@ -897,26 +897,26 @@ def main(argv=None) -> int:
                        "extrapolation": extra, "checks": {n: ok for n, ok in found}, "profiles": profiles}
                 Path(a.json).write_text(json.dumps(out, indent=1))
                 print(f"wrote {a.json}")
-        D.barrier(d)
+        D.barrier(dist)
         run.log.close()
         return 0
     finally:
-        if d.is_main and base:
+        if dist.is_main and base:
             shutil.rmtree(base, ignore_errors=True)
-        D.close(d)
+        D.close(dist)
 
 
-def ensure_tokenizer_checkpoint(run: Run, d: D.Dist) -> None:
+def ensure_tokenizer_checkpoint(run: Run, dist: D.Dist) -> None:
     """A randomly initialised tokenizer checkpoint for the world stage (timing needs no trained one)."""
     folder = run.stage_dir("tokenizer") / "checkpoints"
-    if d.is_main and latest_checkpoint(folder) is None:
+    if dist.is_main and latest_checkpoint(folder) is None:
         cfg = run.cfg
         torch.manual_seed(cfg.run.seed)
         tok = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid), **model_options(cfg, "tokenizer"))
         with Checkpointer(folder, async_save=False) as ck:
             ck.save({"model": tok.state_dict(), "stage": "tokenizer", "config": to_dict(cfg),
                      "data_fingerprint": run.fingerprint}, 0)
-    D.barrier(d)
+    D.barrier(dist)
 
 
 if __name__ == "__main__":

@@ -212,10 +212,10 @@ def worker(a) -> int:
 
     B = load_bench()
     cfg = load_config(a.cfg, a.set)
-    d = D.init(cfg.train.device, cfg.ddp.timeout_s)
-    out: dict = {"stages": {}, "world_size": d.world_size}
+    dist = D.init(cfg.train.device, cfg.ddp.timeout_s)
+    out: dict = {"stages": {}, "world_size": dist.world_size}
     try:
-        device = d.device
+        device = dist.device
         dtype = T.amp_dtype(cfg, device)
         if a.backend != "inductor":  # CPU tests: the same capture, without Inductor's compile time
             import wm.training.loop as L
@@ -224,11 +224,11 @@ def worker(a) -> int:
             # the loop holds its own reference to wrappers.compiled: both are replaced
             W.compiled = L.compiled = lambda ddp, c, inductor=None, steps=None: (
                 torch.compile(ddp, backend=a.backend) if W.compiles(c, device) else real(ddp, c, inductor, steps))
-        run = Run(cfg, d)
+        run = Run(cfg, dist)
         run.say = lambda *x, **k: None
         for name in cfg.train.stages:
             if name == "world":
-                B.ensure_tokenizer_checkpoint(run, d)
+                B.ensure_tokenizer_checkpoint(run, dist)
             res = {}
             # eager and compiled: one step each from the same weights and batch; compiled and graphed:
             # the same graph_steps() steps uncaptured and captured (the last ones replayed graphs)
@@ -241,7 +241,7 @@ def worker(a) -> int:
                 vrun = copy.copy(run)
                 vrun.cfg = c
                 stage = TokenizerStage(vrun) if name == "tokenizer" else WorldStage(vrun, device, dtype)
-                runner = B.Runner(stage, c, d, device, dtype)
+                runner = B.Runner(stage, c, dist, device, dtype)
                 losses = []
                 try:
                     with warnings.catch_warnings(record=True) as seen:
@@ -260,13 +260,13 @@ def worker(a) -> int:
                 res[mode] = {"loss": loss, "grad_norm": gnorm, "seconds": took, "stride_warnings": strides,
                              "losses": losses, "captured": graphed}
             out["stages"][name] = res
-        if a.allreduce_mib > 0 and d.active:
-            out["allreduce"] = allreduce_busbw(d, a.allreduce_mib)
+        if a.allreduce_mib > 0 and dist.active:
+            out["allreduce"] = allreduce_busbw(dist, a.allreduce_mib)
         run.log.close()
         run.close()
     finally:
-        D.close(d)
-    if d.is_main:
+        D.close(dist)
+    if dist.is_main:
         print(RESULT + json.dumps(out), flush=True)
     # End before this frame frees the DDP reducers and with them the gloo group: its destructor joins
     # its threads holding the GIL while one may need the GIL to free a tensor of the last collective
@@ -275,20 +275,20 @@ def worker(a) -> int:
     os._exit(0)
 
 
-def allreduce_busbw(d: D.Dist, mib: float) -> dict:
+def allreduce_busbw(dist: D.Dist, mib: float) -> dict:
     """NCCL-tests' bus bandwidth of an fp32 all-reduce: bytes / time x 2 (n - 1) / n, best of the timed runs."""
-    t = torch.ones(int(mib * 2**20 / 4), device=d.device)
-    sync = torch.cuda.synchronize if d.device.type == "cuda" else (lambda: None)
+    t = torch.ones(int(mib * 2**20 / 4), device=dist.device)
+    sync = torch.cuda.synchronize if dist.device.type == "cuda" else (lambda: None)
     for _ in range(3):
-        D.all_reduce_(t, d)
+        D.all_reduce_(t, dist)
     sync()
     best = math.inf
-    for _ in range(10 if d.device.type == "cuda" else 3):
+    for _ in range(10 if dist.device.type == "cuda" else 3):
         t0 = time.perf_counter()
-        D.all_reduce_(t, d)
+        D.all_reduce_(t, dist)
         sync()
         best = min(best, time.perf_counter() - t0)
-    n = d.world_size
+    n = dist.world_size
     return {"mib": mib, "seconds": best, "busbw_gbs": t.numel() * 4 / best * 2 * (n - 1) / n / 1e9}
 
 

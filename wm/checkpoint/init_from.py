@@ -386,7 +386,7 @@ def _apply(run: Run, stage: str, model: nn.Module, src: Source) -> Applied:
     model.load_state_dict(state)
     for line in report_lines(stage, src, rep, run.manifest.info.class_names, src.class_names or ()):
         run.say(line)
-    if run.d.is_main:
+    if run.dist.is_main:
         folder = run.stage_dir(stage)
         folder.mkdir(parents=True, exist_ok=True)
         write_bytes(folder / "init_report.json", json.dumps({"source": src.provenance(), **rep}, indent=1))
@@ -411,7 +411,7 @@ def adopt_tokenizer(run: Run, model: nn.Module) -> None:
     if p is None or p.tokenizer is None or own_checkpoints(run, "tokenizer"):
         return
     applied = _apply(run, "tokenizer", model, p.tokenizer)
-    if run.d.is_main:
+    if run.dist.is_main:
         from wm.checkpoint.checkpointer import Checkpointer
 
         state = {"stage": "tokenizer", "step": 0, "model": model.state_dict(), "config": to_dict(run.cfg),
@@ -420,7 +420,7 @@ def adopt_tokenizer(run: Run, model: nn.Module) -> None:
         with Checkpointer(run.stage_dir("tokenizer") / "checkpoints", keep_last=2, async_save=False) as ck:
             ck.save(state, 0)
         run.say(f"tokenizer: the source's tokenizer, used as it is, saved as {run.stage_dir('tokenizer') / 'checkpoints'}")
-    D.barrier(run.d)
+    D.barrier(run.dist)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,15 +45,15 @@ def git_commit() -> Optional[str]:
 class Run:
     """Everything both stages share: config, ranks, data root and fingerprint, folder, logger."""
 
-    def __init__(self, cfg: Config, d: D.Dist, fresh: bool = False, allow_new_data: bool = False,
+    def __init__(self, cfg: Config, dist: D.Dist, fresh: bool = False, allow_new_data: bool = False,
                  allow_changed: tuple[str, ...] = ()):
-        self.cfg, self.d = cfg, d
+        self.cfg, self.dist = cfg, dist
         self.locked = False
         self.init_plan = None  # wm.checkpoint.init_from.plan: what init.from initialises (check_stages sets it)
         self.dir = Path(cfg.run.out_dir) / cfg.run.name
-        say = print if d.is_main else (lambda *a, **k: None)
+        say = print if dist.is_main else (lambda *a, **k: None)
         self.say = say
-        self.root = shared_root(cfg, d, say)
+        self.root = shared_root(cfg, dist, say)
         from wm.data.shards import load_manifest
 
         self.manifest = load_manifest(self.root)
@@ -64,21 +64,21 @@ class Run:
         # the run folder: resume the same run, refuse a different one, start over only when asked
         meta = {"data_fingerprint": self.fingerprint, "data_root": str(self.root),
                 "wm_version": __version__, "torch_version": torch.__version__,
-                "git_commit": git_commit(), "world_size": d.world_size,
+                "git_commit": git_commit(), "world_size": dist.world_size,
                 "shards": {s["path"]: s["sha256"] for s in self.manifest.shards}}  # what it trained on
         self.resuming, self.fingerprints = False, {self.fingerprint}  # the data its checkpoints may name
         error = None
-        if d.is_main:
+        if dist.is_main:
             try:
                 self._open_folder(fresh, allow_new_data, allow_changed, meta)
             except WMError as e:
                 error = e
-        failure = D.broadcast_object(None if error is None else str(error), d)  # every rank stops with it
+        failure = D.broadcast_object(None if error is None else str(error), dist)  # every rank stops with it
         if failure is not None:
             raise error or WMError(failure)
-        self.resuming, self.fingerprints = D.broadcast_object((self.resuming, self.fingerprints), d)
-        D.barrier(d)
-        self.log = Logger(self.dir, enabled=d.is_main, tensorboard=cfg.logging.tensorboard)
+        self.resuming, self.fingerprints = D.broadcast_object((self.resuming, self.fingerprints), dist)
+        D.barrier(dist)
+        self.log = Logger(self.dir, enabled=dist.is_main, tensorboard=cfg.logging.tensorboard)
 
     def _open_folder(self, fresh: bool, allow_new_data: bool, allow_changed: tuple[str, ...], meta: dict) -> None:
         """Rank 0: take the folder's lock (before anything is written), then resume the same run,
@@ -370,11 +370,11 @@ def _meta_problem(meta: dict) -> Optional[str]:
     return None
 
 
-def shared_root(cfg: Config, d: D.Dist, say=print) -> Path:
+def shared_root(cfg: Config, dist: D.Dist, say=print) -> Path:
     """The data root on every rank: data.root, or the synthetic set, which rank 0 generates first and
     the others then find."""
-    root = data_root(cfg, log=say) if d.is_main or cfg.data.root else None
-    D.barrier(d)
+    root = data_root(cfg, log=say) if dist.is_main or cfg.data.root else None
+    D.barrier(dist)
     return root if root is not None else data_root(cfg, log=say)
 
 

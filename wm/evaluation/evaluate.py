@@ -78,16 +78,16 @@ STAGE_WORDS = {"tokenizer": "tokenizer", "world": "world-model"}
 # the shared evaluation loops (training-time validation and --eval-only)
 
 
-def eval_batches(ds, d: D.Dist, batch_size: int, num_workers: int = 0, pin_memory: bool = False,
+def eval_batches(ds, dist: D.Dist, batch_size: int, num_workers: int = 0, pin_memory: bool = False,
                  progress: str = "", log=print):
     """This rank's share of the evaluation windows (every world_size-th, no padding: the counts
     are all-reduced after, so every window is scored exactly once). With `progress` (what is
     evaluated), rank 0 logs a line with its rate and ETA at most every 10 s."""
-    idx = list(range(d.rank, len(ds), d.world_size))
+    idx = list(range(dist.rank, len(ds), dist.world_size))
     loader = torch.utils.data.DataLoader(ds, batch_size=batch_size, sampler=idx,
                                          num_workers=min(num_workers, 2), worker_init_fn=ignore_stop_signals,
                                          pin_memory=pin_memory and torch.cuda.is_available())
-    bar = Progress(progress, len(idx), "windows", log) if progress and d.is_main else None
+    bar = Progress(progress, len(idx), "windows", log) if progress and dist.is_main else None
     for batch in start_workers(loader):
         yield batch
         if bar is not None:
@@ -128,7 +128,7 @@ class Forecast:
 
 
 @torch.no_grad()
-def reconstruction(tokenizer: Tokenizer, batches: Iterable[dict], d: D.Dist, device: torch.device,
+def reconstruction(tokenizer: Tokenizer, batches: Iterable[dict], dist: D.Dist, device: torch.device,
                    dtype: Optional[torch.dtype], num_classes: int, free: int,
                    keep_first: bool = False) -> Recon:
     """Encode and decode every frame of `batches` (items with `occ` (B, 1, X, Y, Z) and optionally
@@ -147,13 +147,13 @@ def reconstruction(tokenizer: Tokenizer, batches: Iterable[dict], d: D.Dist, dev
         used += torch.bincount(codes.flatten(), minlength=used.numel()).float()
         if keep_first and first is None:
             first = [occ[:4].cpu().numpy(), pred[:4].cpu().numpy()]
-    cm.reduce_(lambda t: D.all_reduce_(t, d))
-    D.all_reduce_(used, d)
+    cm.reduce_(lambda t: D.all_reduce_(t, dist))
+    D.all_reduce_(used, dist)
     return Recon(cm, used, first)
 
 
 @torch.no_grad()
-def forecast(tokenizer: Tokenizer, world: WorldModel, batches: Iterable[dict], d: D.Dist,
+def forecast(tokenizer: Tokenizer, world: WorldModel, batches: Iterable[dict], dist: D.Dist,
              device: torch.device, dtype: Optional[torch.dtype], past: int, future: int,
              num_classes: int, free: int, given_motion: bool = True, keep_first: bool = False) -> Forecast:
     """Roll the world model out `future` steps from each window's `past` frames (codes from the
@@ -177,7 +177,7 @@ def forecast(tokenizer: Tokenizer, world: WorldModel, batches: Iterable[dict], d
         if keep_first and first is None:
             first = [occ[0, past:].cpu().numpy(), pred[0].cpu().numpy()]
     for cm in (ours, base):
-        cm.reduce_(lambda t: D.all_reduce_(t, d))
+        cm.reduce_(lambda t: D.all_reduce_(t, dist))
     return Forecast(ours, base, first)
 
 
@@ -363,9 +363,9 @@ def check_stride(plan: list, cfg: Config, frame_rate_hz: float) -> None:
                           f"data.stride={cfg.data.stride}; evaluate with --set data.stride={trained}")
 
 
-def _data_root(cfg: Config, d: D.Dist, say) -> Path:
+def _data_root(cfg: Config, dist: D.Dist, say) -> Path:
     """data.root, or the synthetic set (rank 0 generates it first), as the training run does."""
-    root = shared_root(cfg, d, say)
+    root = shared_root(cfg, dist, say)
     if cfg.data.root and not Path(root).is_dir():
         raise DataError(f"data.root {root} does not exist: set it to a wm data set folder (manifest.json + "
                         "shards) with --set data.root=/path/to/it")
@@ -413,11 +413,11 @@ def default_json(run_dir: Path, stages: Sequence[str], split: str, mode: str, ma
     return run_dir / "eval" / (f"{lead}_{split}_{mode}" + (f"_mask-{mask}" if mask != "none" else "") + hs + ".json")
 
 
-def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[torch.dtype], args) -> int:
+def evaluate_run(cfg: Config, dist: D.Dist, device: torch.device, dtype: Optional[torch.dtype], args) -> int:
     """`train.py --eval-only`: evaluate a run's checkpoints under OccWorld's protocol, print the
     table (rank 0) and write the JSON report (rank 0, atomically). Every bad input is refused with
     one line (WMError) before any model runs."""
-    say = print if d.is_main else (lambda *a, **k: None)
+    say = print if dist.is_main else (lambda *a, **k: None)
     for flag in ("fresh", "allow_new_data"):
         if getattr(args, flag, False):
             raise WMError(f"--{flag.replace('_', '-')} belongs to training; it has no meaning with --eval-only")
@@ -454,7 +454,7 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
         tok_for_world = (tpath, tsha, tst)
 
     # ---- data
-    root = _data_root(cfg, d, say)
+    root = _data_root(cfg, dist, say)
     from wm.data.shards import load_manifest
 
     manifest = load_manifest(root)
@@ -483,7 +483,7 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
             say(f"note: {p} was trained on data {fp[:16]}, evaluating on {root} ({manifest.fingerprint[:16]})")
 
     out = Path(args.json).expanduser() if args.json else default_json(run_dir, stages, split, mode, mask, ckpt, horizons)
-    failure = D.broadcast_object(unwritable(out.parent) if d.is_main else None, d)  # before the evaluation
+    failure = D.broadcast_object(unwritable(out.parent) if dist.is_main else None, dist)  # before the evaluation
     if failure:
         raise WMError(f"cannot write the evaluation report {out} ({failure}); choose another path with --json")
     names = list(info.class_names)
@@ -495,7 +495,7 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
         "data": {"root": str(root), "fingerprint": manifest.fingerprint, "frame_rate_hz": info.frame_rate_hz},
         "class_names": names, "free_class": info.free_class,
         "moving_classes": list(moving_classes(info, cfg.data.moving_classes)),
-        "world_size": d.world_size, "device": str(device), "precision": _precision(dtype),
+        "world_size": dist.world_size, "device": str(device), "precision": _precision(dtype),
         "wm_version": __version__, "torch_version": torch.__version__, "argv": list(sys.argv),
     }
 
@@ -506,9 +506,9 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
                      **model_options(cfg, "tokenizer")).to(device).eval()
         ds = OccWindows(root, split, frames_config(cfg.data, use_mask=field is not None),
                         h5_cache_mib=cfg.loader.h5_cache_mib)
-        batches = eval_batches(ds, d, bs["tokenizer"], cfg.loader.num_workers, cfg.loader.pin_memory, "tokenizer", say)
+        batches = eval_batches(ds, dist, bs["tokenizer"], cfg.loader.num_workers, cfg.loader.pin_memory, "tokenizer", say)
         r = reconstruction(tok, batches,
-                           d, device, dtype, cfg.data.num_classes, cfg.data.free_class)
+                           dist, device, dtype, cfg.data.num_classes, cfg.data.free_class)
         rep["tokenizer"] = {"checkpoint": str(p), "step": st.get("step"), "sha256": sha256_file(p),
                             "data_fingerprint": st.get("data_fingerprint"), "frames": len(ds),
                             **recon_report(r, mode, names)}
@@ -525,9 +525,9 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
                        **model_options(cfg, "world")).to(device).eval()
         ds = OccWindows(root, split, dataclasses.replace(cfg.data, use_mask=field is not None),
                         h5_cache_mib=cfg.loader.h5_cache_mib)
-        batches = eval_batches(ds, d, bs["world"], cfg.loader.num_workers, cfg.loader.pin_memory, "world", say)
+        batches = eval_batches(ds, dist, bs["world"], cfg.loader.num_workers, cfg.loader.pin_memory, "world", say)
         f = forecast(tok, world, batches,
-                     d, device, dtype, cfg.data.past, cfg.data.future, cfg.data.num_classes, cfg.data.free_class,
+                     dist, device, dtype, cfg.data.past, cfg.data.future, cfg.data.num_classes, cfg.data.free_class,
                      given_motion=cfg.train.forecast_motion == "given")
         rep["world"] = {"checkpoint": str(p), "step": st.get("step"), "sha256": sha256_file(p),
                         "data_fingerprint": st.get("data_fingerprint"),
@@ -537,7 +537,7 @@ def evaluate_run(cfg: Config, d: D.Dist, device: torch.device, dtype: Optional[t
                         "horizons_why": why or "OccWorld's protocol",
                         **forecast_report(f, steps, horizons, mode, names)}
 
-    if d.is_main:
+    if dist.is_main:
         print(format_table(rep))
         try:
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -129,7 +129,7 @@ class Env:
 
     device: torch.device
     dtype: Optional[torch.dtype]
-    d: D.Dist
+    dist: D.Dist
 
 
 @dataclasses.dataclass
@@ -164,7 +164,7 @@ def train_step(stage: Stage, net: Handles, parts: StageParts, env: Env, next_bat
     `net`: the model's handles (`net.model` is `parts.model`); of `parts` the step uses the optimizer,
     the scaler and the config (`s`); `stop`: the preemption flag (None: never set). The caller sets
     the learning rate."""
-    s, opt, scaler, device, dtype, d = parts.s, parts.opt, parts.scaler, env.device, env.dtype, env.d
+    s, opt, scaler, device, dtype, dist = parts.s, parts.opt, parts.scaler, env.device, env.dtype, env.dist
     terms: dict[str, torch.Tensor] = {}
     wait, samples = 0.0, 0
     for micro in range(s.grad_accum):
@@ -174,55 +174,55 @@ def train_step(stage: Stage, net: Handles, parts: StageParts, env: Env, next_bat
         b = to_device(stage.prepare(b) if hasattr(stage, "prepare") else b, device)
         wait += time.perf_counter() - t0
         sync = micro == s.grad_accum - 1
-        with (net.ddp.no_sync() if d.active and not sync else contextlib.nullcontext()):
+        with (net.ddp.no_sync() if dist.active and not sync else contextlib.nullcontext()):
             with autocast(device, dtype):
                 out = stage.loss(net.fwd, b)
             scaler.scale(out["loss"] / s.grad_accum).backward()
         for k, v in out.items():  # kept on the device: no host sync per micro-step
             if v.ndim == 0:
                 terms[k] = terms.get(k, 0) + v.detach().float() / s.grad_accum
-        samples += stage.samples(b) * d.world_size
+        samples += stage.samples(b) * dist.world_size
     scaler.unscale_(opt)
     gnorm = torch.nn.utils.clip_grad_norm_(net.model.parameters(), s.clip if s.clip > 0 else float("inf"))
     # torch.full, not torch.tensor: a host value copied to the GPU would wait for the queue
     flags = torch.stack([(~torch.isfinite(terms["loss"]) | ~torch.isfinite(gnorm)).float(),
                          torch.full((), float(stop is not None and stop.requested), device=device)])
-    D.all_reduce_(flags, d, op="max")  # every rank skips, and stops at, the same steps
+    D.all_reduce_(flags, dist, op="max")  # every rank skips, and stops at, the same steps
     if dtype == torch.float16:
         scaler.step(opt)
         scaler.update()
     else:
         step_unless(opt, flags[0])
     opt.zero_grad(set_to_none=True)
-    stage.after_step(net.model, d, flags[0] > 0)
+    stage.after_step(net.model, dist, flags[0] > 0)
     return StepResult(terms, gnorm, HostCopy(flags), dtype == torch.float16, wait, samples, b)
 
 
-def stage_parts(stage: Stage, cfg: Config, d: D.Dist, device: torch.device, dtype) -> StageParts:
+def stage_parts(stage: Stage, cfg: Config, dist: D.Dist, device: torch.device, dtype) -> StageParts:
     """fit's set-up of a stage (also tools/bench_train.py's, so the bench times what fit runs)."""
-    s = resolved(cfg, stage.name, d.world_size)
+    s = resolved(cfg, stage.name, dist.world_size)
     model = stage.model.to(device)
     batch = s.batch_size
     opt = make_optimizer(model, s, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    sampler = ResumableSampler(len(stage.train_ds), d.world_size, d.rank, seed=cfg.run.seed, drop_last=True)
+    sampler = ResumableSampler(len(stage.train_ds), dist.world_size, dist.rank, seed=cfg.run.seed, drop_last=True)
     loader = make_loader(stage.train_ds, sampler, cfg.loader, batch, endless=True)
-    per_epoch = steps_per_epoch(stage.name, len(stage.train_ds), d.world_size, batch, s.grad_accum)
+    per_epoch = steps_per_epoch(stage.name, len(stage.train_ds), dist.world_size, batch, s.grad_accum)
     return StageParts(model, batch, s, opt, scaler, sampler, loader, per_epoch, stage_total(s, 0, sampler, batch))
 
 
-def make_step(stage: Stage, parts: StageParts, cfg: Config, device: torch.device, dtype, d: D.Dist, say):
+def make_step(stage: Stage, parts: StageParts, cfg: Config, device: torch.device, dtype, dist: D.Dist, say):
     """The step fit and the bench call, `step(next_batch, stop) -> StepResult`, and whether the
     forward is torch.compile'd (for the log): train_step under DDP (several ranks) and torch.compile,
     or the step captured as CUDA graphs (compile.cuda_graphs; wm.training.step_graph), the same
     computation."""
     if use_graphs(cfg, device, dtype, say):
         fwd = compiled(parts.model, cfg, stage.inductor_options(), parts.total)
-        return GraphedStep(stage, parts.model, parts.opt, parts.s, device, dtype, d, fwd,
+        return GraphedStep(stage, parts.model, parts.opt, parts.s, device, dtype, dist, fwd,
                            grad_dtype=cfg.ddp.grad_dtype, say=say), fwd is not parts.model
-    ddp = wrap_ddp(parts.model, cfg, device, d)
+    ddp = wrap_ddp(parts.model, cfg, device, dist)
     net = Handles(parts.model, ddp, compiled(ddp, cfg, stage.inductor_options(), parts.total))
-    env = Env(device, dtype, d)
+    env = Env(device, dtype, dist)
 
     def step(next_batch, stop=None) -> StepResult:
         return train_step(stage, net, parts, env, next_batch, stop=stop)
@@ -285,10 +285,10 @@ class StageLoop:
 
     def __init__(self, run: Run, stage: Stage, device: torch.device, dtype, t0: Optional[float] = None):
         t0 = time.perf_counter() if t0 is None else t0
-        self.run, self.stage, self.env = run, stage, Env(device, dtype, run.d)
-        self.parts = stage_parts(stage, run.cfg, run.d, device, dtype)
+        self.run, self.stage, self.env = run, stage, Env(device, dtype, run.dist)
+        self.parts = stage_parts(stage, run.cfg, run.dist, device, dtype)
         self.model, self.opt, self.sampler = self.parts.model, self.parts.opt, self.parts.sampler
-        self.progress = Progress(t0, run.d.world_size, total=self.parts.total)
+        self.progress = Progress(t0, run.dist.world_size, total=self.parts.total)
         self.ckpts = StageCheckpoints(run, stage, self.parts, self.progress)
         self.ckpt = self.ckpts.ckpt  # rank 0's Checkpointer, None on the others
         self.log = StepLog(run, stage.name, self.parts, self.progress, device, self.ckpts.blocked_s,
@@ -313,7 +313,7 @@ class StageLoop:
         scaler, the data order, the best validation, the time so far, and the RNG streams (re-seeded
         when the number of ranks changed: they are per rank and cannot be split or merged)."""
         path, st = self.ckpts.find()
-        p, parts, d, cfg, name = self.progress, self.parts, self.run.d, self.run.cfg, self.stage.name
+        p, parts, dist, cfg, name = self.progress, self.parts, self.run.dist, self.run.cfg, self.stage.name
         p.resumed = path
         if not path:
             return
@@ -328,29 +328,29 @@ class StageLoop:
         p.total = stage_total(parts.s, p.step, parts.sampler, parts.batch)
         rngs, sampler = st["rng"], parts.sampler
         self.run.say(f"{name}: resumed from {path} at step {p.step}/{p.total} (epoch {sampler.epoch})")
-        if len(rngs) == d.world_size:
-            set_rng_state(rngs[d.rank])
+        if len(rngs) == dist.world_size:
+            set_rng_state(rngs[dist.rank])
             return
-        seed_all(cfg.run.seed * 1000 + d.rank + p.step)
-        self.run.say(f"note: resumed on {d.world_size} rank{'s' if d.world_size != 1 else ''} from "
-                     f"{len(rngs)}: a step now takes {samples_a_step(cfg, name, d.world_size)} samples (it took "
+        seed_all(cfg.run.seed * 1000 + dist.rank + p.step)
+        self.run.say(f"note: resumed on {dist.world_size} rank{'s' if dist.world_size != 1 else ''} from "
+                     f"{len(rngs)}: a step now takes {samples_a_step(cfg, name, dist.world_size)} samples (it took "
                      f"{samples_a_step(cfg, name, len(rngs))}); the data order goes on at sample "
                      f"{sampler.consumed} of epoch {sampler.epoch}; RNG streams re-seeded")
 
     def start(self):
         """Say what trains, seed a fresh stage, build the step (DDP, torch.compile, CUDA graphs), start
         the data and the log's clocks. Returns the step and the stream of batches it takes."""
-        run, d, stage, parts, env = self.run, self.run.d, self.stage, self.parts, self.env
-        b = stage_batch(run.cfg, stage.name, d.world_size)
+        run, dist, stage, parts, env = self.run, self.run.dist, self.stage, self.parts, self.env
+        b = stage_batch(run.cfg, stage.name, dist.world_size)
         run.say(f"{stage.name}: {count_parameters(parts.model) / 1e6:.2f} M parameters, "
                 f"{len(stage.train_ds)} training samples, {self.progress.total} steps of {b.per_step} samples "
                 f"({b.words})")
         if not self.progress.resumed:
-            seed_all(run.cfg.run.seed * 1000 + d.rank)
-        step_fn, compiling = make_step(stage, parts, run.cfg, env.device, env.dtype, d, run.say)
+            seed_all(run.cfg.run.seed * 1000 + dist.rank)
+        step_fn, compiling = make_step(stage, parts, run.cfg, env.device, env.dtype, dist, run.say)
         # a resume on a fresh machine of this kind reuses what the first process compiled
         cached = compiling and compile_cache.load(run.dir, env.device, run.say)
-        next_batch = BatchStream(parts.loader, parts.sampler, parts.batch * d.world_size)
+        next_batch = BatchStream(parts.loader, parts.sampler, parts.batch * dist.world_size)
         self.log.start(compiling, cached)
         parts.model.train()
         return step_fn, next_batch
@@ -364,17 +364,17 @@ class StageLoop:
     def finish(self) -> dict:
         """Wait for the last save; a preempted stage raises Preempted, a finished one is marked done
         (once its last save is on disk). Returns the last validation."""
-        d, name, reason, p = self.run.d, self.stage.name, self.stopping(), self.progress
+        dist, name, reason, p = self.run.dist, self.stage.name, self.stopping(), self.progress
         self.ckpts.close()
-        D.barrier(d)
+        D.barrier(dist)
         self.run.log.flush()
         if reason and reason.startswith("preempted"):
             self.run.say(f"{name}: {reason}; saved step {p.step}. Run the same command to resume.")
             raise Preempted()
-        if d.is_main:
+        if dist.is_main:
             write_bytes(self.run.stage_dir(name) / "done.json", json.dumps(
                 {"step": p.step, "metrics": p.metrics, "reason": reason or "finished", **p.times()}, indent=1))
-        D.barrier(d)
+        D.barrier(dist)
         if reason:
             self.run.say(f"{name}: {reason}")
         return p.metrics
@@ -397,7 +397,7 @@ class Validator:
     def _evaluate(self) -> tuple[dict, list]:
         model, env = self.parts.model, self.env
         model.eval()
-        out = self.stage.evaluate(model, env.d, env.dtype, env.device)
+        out = self.stage.evaluate(model, env.dist, env.dtype, env.device)
         model.train()
         return out
 
@@ -409,7 +409,7 @@ class Validator:
             return
         metrics, _ = self._evaluate()
         self.run.log.scalars(0, metrics, kind=f"{name}/before")
-        if self.run.d.is_main:
+        if self.run.dist.is_main:
             write_bytes(self.run.stage_dir(name) / "before.json", json.dumps(
                 {"step": 0, "metrics": metrics, "source": applied.source.provenance()}, indent=1))
         self.run.log.console(f"{name} before fine-tuning (the source model on this run's validation): "

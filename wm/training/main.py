@@ -57,7 +57,7 @@ def amp_dtype(cfg: Config, device: torch.device) -> Optional[torch.dtype]:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[amp]
 
 
-def device_line(cfg: Config, d: D.Dist, device: torch.device, dtype) -> str:
+def device_line(cfg: Config, dist: D.Dist, device: torch.device, dtype) -> str:
     """What trains and in which precision, for the log's first lines: '1 rank on cpu (2 threads), fp32
     (train.amp=auto: no AMX on this CPU)'."""
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -66,7 +66,7 @@ def device_line(cfg: Config, d: D.Dist, device: torch.device, dtype) -> str:
     why = cfg.train.amp
     if why == "auto":
         why = "auto" if device.type == "cuda" else f"auto: {'AMX' if cpu_has_amx() else 'no AMX'} on this CPU"
-    return (f"{d.world_size} rank{'s' if d.world_size != 1 else ''} on {device.type} ({where}), {prec} "
+    return (f"{dist.world_size} rank{'s' if dist.world_size != 1 else ''} on {device.type} ({where}), {prec} "
             f"(train.amp={why})")
 
 
@@ -201,10 +201,10 @@ def main(argv=None, stop: Optional[Preemption] = None) -> int:
     stop = Preemption() if stop is None else stop
     if not args.eval_only:  # evaluation keeps the default Ctrl-C: nothing to save
         stop.install()
-    d = D.init(cfg.train.device, cfg.ddp.timeout_s)
+    dist = D.init(cfg.train.device, cfg.ddp.timeout_s)
     broken, run, ended = False, None, None
     try:
-        device = d.device
+        device = dist.device
         dtype = amp_dtype(cfg, device)
         if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise WMError("train.amp is bf16 but this GPU has no bf16; use --set train.amp=fp16")
@@ -212,17 +212,17 @@ def main(argv=None, stop: Optional[Preemption] = None) -> int:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         if args.eval_only:
-            return evaluate_run(cfg, d, device, dtype, args)
+            return evaluate_run(cfg, dist, device, dtype, args)
         # before the data is generated: a config this machine cannot hold stops here, in one line
-        plan = memory_plan.start(cfg, d, device, dtype, args.fresh, say=(lambda *a, **k: None) if quiet else print)
-        run = Run(cfg, d, fresh=args.fresh, allow_new_data=args.allow_new_data,
+        plan = memory_plan.start(cfg, dist, device, dtype, args.fresh, say=(lambda *a, **k: None) if quiet else print)
+        run = Run(cfg, dist, fresh=args.fresh, allow_new_data=args.allow_new_data,
                   allow_changed=tuple(k.strip() for k in args.allow_changed.split(",") if k.strip()))
         run.memory_plan = plan  # the first step's memory line compares with it
-        if d.is_main:
+        if dist.is_main:
             activations.keep_measured(run.dir)  # a resume reads them instead of tracing again
         if run.resuming:
             run.say(f"resuming run {run.dir}")
-        run.say(f"training: {device_line(cfg, d, device, dtype)}")
+        run.say(f"training: {device_line(cfg, dist, device, dtype)}")
         check_stages(run)
         t0 = time.time()
         results, times, status = {}, {}, "failure"
@@ -241,17 +241,17 @@ def main(argv=None, stop: Optional[Preemption] = None) -> int:
             status, ended = None, "preempted"  # no session end: the resume's is the one TensorBoard keeps
             return 0
         except (torch.distributed.DistError, RuntimeError) as e:
-            if not d.active or not _collective_failure(e):
+            if not dist.active or not _collective_failure(e):
                 raise
             broken = True  # destroying a group whose peer is gone can block: leave it to exit
             what = f"timed out after ddp.timeout_s={cfg.ddp.timeout_s:g} s" if _timed_out(e) else "failed"
-            raise WMError(f"rank {d.rank}: a collective {what} ({str(e).strip().splitlines()[0][:200]}); "
+            raise WMError(f"rank {dist.rank}: a collective {what} ({str(e).strip().splitlines()[0][:200]}); "
                           "another rank died or hung (see its log). Checkpoints are intact: rerun the "
                           "same command to resume") from None
         finally:
             if status:
                 run.log.hparams_end(status)
-        if d.is_main:
+        if dist.is_main:
             report(run, cfg, results, times, t0)
         ended = "finished"  # after summary.json: a finished record means the figures are on disk
         return 0
@@ -261,4 +261,4 @@ def main(argv=None, stop: Optional[Preemption] = None) -> int:
             run.log.close()
             run.close()  # the lock goes last: nothing of this run is written after it
         if not broken:
-            D.close(d)
+            D.close(dist)

@@ -358,14 +358,14 @@ def check(cfg: Config, p: Plan, host: Optional[int] = None, device: Optional[int
     return warnings
 
 
-def start(cfg: Config, d: D.Dist, device: torch.device, dtype, fresh: bool = False, say=print) -> Plan:
+def start(cfg: Config, dist: D.Dist, device: torch.device, dtype, fresh: bool = False, say=print) -> Plan:
     """train.py's check before anything runs: plan, say it (rank 0), warn, and refuse on every rank
     what does not fit any rank's machine."""
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     todo = tuple(n for n in cfg.train.stages if fresh or not (run_dir / n / "done.json").is_file())
     if not fresh:
         read_measured(run_dir)
-    p = plan(cfg, d.world_size, device, dtype, todo)
+    p = plan(cfg, dist.world_size, device, dtype, todo)
     for line in lines(p):
         say(line)
     refused = None
@@ -374,7 +374,7 @@ def start(cfg: Config, d: D.Dist, device: torch.device, dtype, fresh: bool = Fal
             say(w)
     except ConfigError as e:
         refused = e
-    theirs = next((m for m in D.gather_objects(None if refused is None else str(refused), d) if m), None)
+    theirs = next((m for m in D.gather_objects(None if refused is None else str(refused), dist) if m), None)
     if refused is not None:
         raise refused
     if theirs is not None:  # another rank's machine cannot hold it

@@ -54,11 +54,11 @@ class StageCheckpoints:
     Checkpointer (None on the other ranks); `save` is called every step and saves when due."""
 
     def __init__(self, run: Run, stage, parts, progress: Progress):
-        cfg, self.d = run.cfg, run.d
+        cfg, self.dist = run.cfg, run.dist
         self.run, self.stage, self.parts, self.progress, self.every = run, stage, parts, progress, cfg.checkpoint.every
         s = parts.s
         self.ckpt = Checkpointer(run.stage_dir(stage.name) / "checkpoints", cfg.checkpoint.keep_last,
-                                 s.best_metric, s.best_mode, cfg.checkpoint.async_save) if self.d.is_main else None
+                                 s.best_metric, s.best_mode, cfg.checkpoint.async_save) if self.dist.is_main else None
         params = [p for g in parts.opt.param_groups for p in g["params"]]
         pname = {id(p): n for n, p in parts.model.named_parameters()}
         self.names = {i: pname.get(id(p), "?") for i, p in enumerate(params)}  # optimizer index -> parameter
@@ -80,7 +80,7 @@ class StageCheckpoints:
                 found = newest_valid(self.ckpt.folder, say=self.run.say, check=self.check)
             except WMError as e:
                 failure = str(e)
-        path, failure = D.broadcast_object((str(found[0]) if found else None, failure), self.d)
+        path, failure = D.broadcast_object((str(found[0]) if found else None, failure), self.dist)
         if failure:
             raise WMError(failure)
         if not path:
@@ -95,11 +95,11 @@ class StageCheckpoints:
     def write(self, metrics: Optional[dict] = None) -> None:
         """A checkpoint of this step (rank 0 writes; every rank takes part: RNG states are gathered).
         A state with NaN or inf is never saved nor called good: one reduction on the device."""
-        d, model, opt, name, p = self.d, self.parts.model, self.parts.opt, self.stage.name, self.progress
-        rng = D.gather_objects(rng_state(), d)  # every rank reaches these collectives
+        dist, model, opt, name, p = self.dist, self.parts.model, self.parts.opt, self.stage.name, self.progress
+        rng = D.gather_objects(rng_state(), dist)  # every rank reaches these collectives
         ok = all_finite([*model.state_dict().values(), *(t for v in opt.state.values() for t in v.values()
                                                            if torch.is_tensor(t))]).float()
-        D.all_reduce_(ok, d, op="min")
+        D.all_reduce_(ok, dist, op="min")
         if not ok:
             bad = first_nonfinite({"model": model.state_dict(), "optimizer": opt.state_dict()}, names=self.names)
             raise WMError(f"{name}: the state at step {p.step} holds non-finite values (first: {bad}); it was "

@@ -70,7 +70,7 @@ def check_stages(run: Run) -> None:
     against the training windows, the best_metric; and data.horizons_s against the windows. Window
     indexes come from scene offsets alone, so this reads no frames. Also says whether training uses
     the visibility mask."""
-    cfg, d = run.cfg, run.d
+    cfg, dist = run.cfg, run.dist
     run.init_plan = init_from.plan(run)  # a source that cannot be used stops the run now
     if "world" in cfg.train.stages:  # first: the setting that reaches data.horizons_s, not "shorten the window"
         check_config_reaches(cfg, run.root, run.manifest.info.frame_rate_hz)
@@ -84,8 +84,8 @@ def check_stages(run: Run) -> None:
             OccWindows(run.root, cfg.data.val_split, data, h5_cache_mib=cfg.loader.h5_cache_mib)
         except DataError as e:
             raise DataError(f"{name} stage: {e}") from None
-        b = stage_batch(cfg, name, d.world_size)  # a global batch that does not split over the ranks stops here
-        batches_per_rank(name, samples, d.world_size, b.micro, b.accum)
+        b = stage_batch(cfg, name, dist.world_size)  # a global batch that does not split over the ranks stops here
+        batches_per_rank(name, samples, dist.world_size, b.micro, b.accum)
         metrics = val_metrics(name, cfg.data.future, run.manifest.info.class_names, cfg.data.free_class,
                               moving_classes(run.manifest.info, cfg.data.moving_classes))
         if s.best_metric not in metrics:
@@ -119,7 +119,7 @@ class Stage:
     def samples(self, batch: dict) -> int:
         raise NotImplementedError
 
-    def evaluate(self, model: nn.Module, d: D.Dist, dtype, device) -> tuple[dict, list]:
+    def evaluate(self, model: nn.Module, dist: D.Dist, dtype, device) -> tuple[dict, list]:
         """The validation metrics, and the pictures to log: (tag, frames, labels)."""
         raise NotImplementedError
 
@@ -127,7 +127,7 @@ class Stage:
         """The host batch as the step trains on it."""
         return batch
 
-    def after_step(self, model: nn.Module, d: D.Dist, skipped: torch.Tensor) -> None:
+    def after_step(self, model: nn.Module, dist: D.Dist, skipped: torch.Tensor) -> None:
         """What follows an optimizer step (`skipped`: a bool on the device, the step updated nothing)."""
 
     def inductor_options(self) -> dict:
@@ -156,8 +156,8 @@ class TokenizerStage(Stage):
         self.init = init_from.apply(run, self.name, self.model)  # init.from, while the stage has no checkpoint
         self.init_source = self.init.source.provenance() if self.init else None
         init_from.freeze(run, self.name, self.model, self.init)
-        steps = planned_steps(cfg, self.name, len(self.train_ds), run.d.world_size)
-        if cfg.compile.tokenizer_channels_last and compiles(cfg, run.d.device, steps):
+        steps = planned_steps(cfg, self.name, len(self.train_ds), run.dist.world_size)
+        if cfg.compile.tokenizer_channels_last and compiles(cfg, run.dist.device, steps):
             # Inductor runs every convolution NHWC: weights laid out so, their gradients come so (no copy)
             self.model.to(memory_format=torch.channels_last)
         self.class_names = run.manifest.info.class_names
@@ -181,7 +181,7 @@ class TokenizerStage(Stage):
     def samples(self, batch: dict) -> int:
         return batch["occ"].shape[0]
 
-    def after_step(self, model: nn.Module, d: D.Dist, skipped: torch.Tensor) -> None:
+    def after_step(self, model: nn.Module, dist: D.Dist, skipped: torch.Tensor) -> None:
         """Dead-code reset: rank 0 decides from its encoder outputs, every rank gets its codebook
         (DDP does not sync in-place parameter edits). Not after a skipped step (`skipped`, a bool on
         the device): its encoder outputs may be non-finite. A code's age is the youngest rank's (each
@@ -189,21 +189,21 @@ class TokenizerStage(Stage):
         m = unwrap(model)
         if not m.quantizer.codebook.weight.requires_grad:  # a frozen codebook (tokenizer_stage.freeze) stays as loaded
             return
-        if d.active and m.quantizer.dead_code_steps > 0:
-            D.all_reduce_(m.quantizer.code_age, d, op="min")
-        if d.is_main:
+        if dist.active and m.quantizer.dead_code_steps > 0:
+            D.all_reduce_(m.quantizer.code_age, dist, op="min")
+        if dist.is_main:
             m.reset_dead_codes(skip=skipped)
-        if d.active:
+        if dist.active:
             torch.distributed.broadcast(m.quantizer.codebook.weight.data, 0)
             torch.distributed.broadcast(m.quantizer.code_age, 0)
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, d: D.Dist, dtype, device) -> tuple[dict, list]:
+    def evaluate(self, model: nn.Module, dist: D.Dist, dtype, device) -> tuple[dict, list]:
         cfg = self.cfg
-        batches = eval_batches(self.val_ds, d, self.scfg.batch_size or cfg.data.batch_size,
+        batches = eval_batches(self.val_ds, dist, self.scfg.batch_size or cfg.data.batch_size,
                                cfg.loader.num_workers, cfg.loader.pin_memory, "tokenizer validation", self.run.say)
-        r = reconstruction(unwrap(model), batches, d, device, dtype, cfg.data.num_classes, cfg.data.free_class,
-                           keep_first=d.is_main and cfg.logging.images)
+        r = reconstruction(unwrap(model), batches, dist, device, dtype, cfg.data.num_classes, cfg.data.free_class,
+                           keep_first=dist.is_main and cfg.logging.images)
         pics = [("val/recon_gt_top_pred_bottom", r.first, None)] if r.first else []
         s = r.cm.summary()
         out = {"val/iou": s["iou"][0], "val/miou": s["miou"][0],
@@ -279,17 +279,17 @@ class WorldStage(Stage):
         return {"tokenizer": {"path": str(self.tok_path), "sha256": self.tok_sha}}
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, d: D.Dist, dtype, device) -> tuple[dict, list]:
+    def evaluate(self, model: nn.Module, dist: D.Dist, dtype, device) -> tuple[dict, list]:
         """Roll out the future from the past frames' codes, decode, and score against the real
         occupancy per future step; the copy-last baseline on the same windows beside it."""
 
         cfg = self.cfg
         S = cfg.data.future
-        batches = eval_batches(self.val_ds, d, self.scfg.batch_size or cfg.data.batch_size,
+        batches = eval_batches(self.val_ds, dist, self.scfg.batch_size or cfg.data.batch_size,
                                cfg.loader.num_workers, cfg.loader.pin_memory, "world validation", self.run.say)
-        f = forecast(self.tokenizer, unwrap(model), batches, d, device, dtype, cfg.data.past, S,
+        f = forecast(self.tokenizer, unwrap(model), batches, dist, device, dtype, cfg.data.past, S,
                      cfg.data.num_classes, cfg.data.free_class,
-                     given_motion=cfg.train.forecast_motion == "given", keep_first=d.is_main and cfg.logging.images)
+                     given_motion=cfg.train.forecast_motion == "given", keep_first=dist.is_main and cfg.logging.images)
         step_s = step_seconds(cfg, self.run.manifest.info)
         pics = [("val/forecast_gt_top_pred_bottom", f.first, [step_label(t + 1, step_s) for t in range(S)])] \
             if f.first else []
@@ -345,7 +345,7 @@ def retire_stale_world(run: Run, tok: Path, sha: str) -> None:
     run's config or data, or another tokenizer than its own checkpoints') is named and moved into
     <world>/foreign-<date>/, never resumed from, overwritten or rotated away."""
     error, folder = None, run.stage_dir("world")
-    found = world_checkpoints(run, folder / "checkpoints", sha) if run.d.is_main else []
+    found = world_checkpoints(run, folder / "checkpoints", sha) if run.dist.is_main else []
     own = [(p, s) for p, s, why, _ in found if why is None]
     if own and all(s != sha for _, s in own):
         old = own[0][1]
@@ -374,7 +374,7 @@ def retire_stale_world(run: Run, tok: Path, sha: str) -> None:
             if (read_json(pointer) or {}).get("file") in {p.name for p, _ in strays}:  # it named a moved file
                 _point_at_own(pointer, [p for p, s in own if s == sha])
             fsync_dir(folder / "checkpoints")
-    failure = D.broadcast_object(error, run.d)
+    failure = D.broadcast_object(error, run.dist)
     if failure:
         raise WMError(failure)
 

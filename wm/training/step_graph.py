@@ -78,8 +78,8 @@ class GraphedStep:
     `fwd`: what the forward goes through (the model, or torch.compile of it; no DDP wrapper)."""
 
     def __init__(self, stage, model: nn.Module, opt: torch.optim.Optimizer, s, device: torch.device, dtype,
-                 d: D.Dist, fwd: nn.Module, grad_dtype: str = "fp32", capture: bool = True, say=print):
-        self.stage, self.model, self.opt, self.s, self.device, self.dtype, self.d = stage, model, opt, s, device, dtype, d
+                 dist: D.Dist, fwd: nn.Module, grad_dtype: str = "fp32", capture: bool = True, say=print):
+        self.stage, self.model, self.opt, self.s, self.device, self.dtype, self.dist = stage, model, opt, s, device, dtype, dist
         self.fwd, self.grad_dtype, self.say = fwd, grad_dtype, say
         self.capture = capture and device.type == "cuda"
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -96,7 +96,7 @@ class GraphedStep:
         if device.type == "cuda":
             for g in opt.param_groups:  # fused AdamW reads the rate from the device (its step counts are there)
                 g["lr"] = torch.tensor(float(g["lr"]), dtype=torch.float32, device=device)
-        if d.active:  # what DDP does at its construction: every rank starts from rank 0's state
+        if dist.active:  # what DDP does at its construction: every rank starts from rank 0's state
             for t in [*model.parameters(), *model.buffers()]:
                 torch.distributed.broadcast(t.data, 0)
 
@@ -123,16 +123,16 @@ class GraphedStep:
         self.terms = torch.stack([terms[k] for k in self.keys])
         self.tail[0] = (~torch.isfinite(terms["loss"])).float()
         self.tail[1] = self.stop_flag
-        if self.d.active:  # DDP's order: each rank's share scaled before the sum
-            self.flat.mul_(1.0 / self.d.world_size)
+        if self.dist.active:  # DDP's order: each rank's share scaled before the sum
+            self.flat.mul_(1.0 / self.dist.world_size)
 
     def _reduce(self) -> None:
         if self.grad_dtype == "bf16":  # half the bytes on the wire, as ddp.grad_dtype=bf16 under DDP
             wire = self.flat.to(torch.bfloat16)
-            D.all_reduce_(wire, self.d)
+            D.all_reduce_(wire, self.dist)
             self.flat.copy_(wire)
         else:
-            D.all_reduce_(self.flat, self.d)
+            D.all_reduce_(self.flat, self.dist)
 
     def _update(self) -> None:
         clip = self.s.clip if self.s.clip > 0 else float("inf")
@@ -140,13 +140,13 @@ class GraphedStep:
         bad = (self.tail[0] > 0) | ~torch.isfinite(gnorm)
         self.flags = torch.stack([bad.float(), (self.tail[1] > 0).float()])
         step_unless(self.opt, self.flags[0])
-        if not self.d.active:
-            self.stage.after_step(self.model, self.d, self.flags[0] > 0)
+        if not self.dist.active:
+            self.stage.after_step(self.model, self.dist, self.flags[0] > 0)
         self.out = torch.cat([self.terms, gnorm.float()[None], self.flags])
 
     def _after_reduce(self) -> None:
-        if self.d.active:  # the tokenizer's codebook sync: collectives, outside any graph
-            self.stage.after_step(self.model, self.d, self.flags[0] > 0)
+        if self.dist.active:  # the tokenizer's codebook sync: collectives, outside any graph
+            self.stage.after_step(self.model, self.dist, self.flags[0] > 0)
 
     def _eager(self) -> None:
         self._bind()
@@ -169,10 +169,10 @@ class GraphedStep:
         # thread_local: the DataLoader's pin-memory thread goes on allocating while this thread captures
         with torch.cuda.graph(a, pool=pool, capture_error_mode="thread_local"):
             self._forward_backward()
-            if not self.d.active:
+            if not self.dist.active:
                 self._update()
         graphs = [a]
-        if self.d.active:
+        if self.dist.active:
             b = torch.cuda.CUDAGraph()
             with torch.cuda.graph(b, pool=pool, capture_error_mode="thread_local"):
                 self._update()
@@ -181,7 +181,7 @@ class GraphedStep:
 
     def _replay(self) -> None:
         self.graphs[0].replay()
-        if self.d.active:
+        if self.dist.active:
             self._reduce()
             self.graphs[1].replay()
             self._after_reduce()
@@ -227,7 +227,7 @@ class GraphedStep:
         out = self.out.clone()  # the next replay overwrites the graph's outputs
         n = len(self.keys)
         terms = {k: out[i] for i, k in enumerate(self.keys)}
-        samples = sum(self.stage.samples(b) for b in self.static) * self.d.world_size
+        samples = sum(self.stage.samples(b) for b in self.static) * self.dist.world_size
         return StepResult(terms, out[n], HostCopy(out[n + 1:]), False, wait, samples, self.static[-1])
 
     def _warm(self) -> None:

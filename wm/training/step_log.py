@@ -42,7 +42,7 @@ class StepLog:
     def __init__(self, run, stage_name: str, parts, progress, device, blocked_s: Callable[[], float],
                  count_flops: Callable[[dict], float]):
         self.run, self.name, self.parts, self.progress, self.device = run, stage_name, parts, progress, device
-        self.cfg, self.d, self.logger = run.cfg, run.d, run.log
+        self.cfg, self.dist, self.logger = run.cfg, run.dist, run.log
         self.every = self.cfg.logging.every
         self.blocked_s, self.count_flops = blocked_s, count_flops
         self.flops_per_sample: Optional[float] = None
@@ -80,7 +80,7 @@ class StepLog:
         if self.compiling:
             self.logger.scalars(step, {"perf/first_step_s": first, "perf/compile_cache_hit": float(self.cached)},
                                 kind=f"{self.name}/compile")
-            if self.d.is_main:
+            if self.dist.is_main:
                 compile_cache.save(self.run.dir, self.device, self.run.say)
                 write_bytes(self.run.stage_dir(self.name) / "compile_times.txt", compile_report().encode())
         self.t_steady, self.step_steady = time.perf_counter(), step  # a compilation is no guide to the rest
@@ -98,21 +98,21 @@ class StepLog:
         """The step's losses (averaged over ranks), learning rate, gradient norm and speed, when due."""
         if not self.due(step):
             return
-        cfg, d, s, total = self.cfg, self.d, self.parts.s, self.progress.total
+        cfg, dist, s, total = self.cfg, self.dist, self.parts.s, self.progress.total
         dt = time.perf_counter() - self.t_last
-        vals = D.mean_scalars({k: float(v) for k, v in r.terms.items()}, d)
+        vals = D.mean_scalars({k: float(v) for k, v in r.terms.items()}, dist)
         rec = {f"loss/{k}" if k in LOSS_TERMS else f"train/{k}": v for k, v in vals.items()}
         rec.update({"train/lr": s.lr * lr_factor(step - 1, total, s),  # the base rate (lr_mult 1)
                     "train/grad_norm": float(r.grad_norm),
                     "perf/samples_per_s": self.samples_since / dt, "perf/data_wait_frac": self.wait_since / dt,
-                    "perf/device_hours": (time.perf_counter() - self.t_start) * d.world_size / 3600,
+                    "perf/device_hours": (time.perf_counter() - self.t_start) * dist.world_size / 3600,
                     "train/epoch": self.parts.sampler.epoch})
         rec.update(memory_scalars(getattr(self.run, "memory_plan", None), self.name, self.device))
         if self.flops_per_sample:
             achieved = self.flops_per_sample * self.samples_since / dt  # all ranks together
             rec["perf/tflops_per_s"] = achieved / 1e12
             if cfg.logging.peak_tflops > 0:
-                rec["perf/mfu"] = achieved / (cfg.logging.peak_tflops * 1e12 * d.world_size)
+                rec["perf/mfu"] = achieved / (cfg.logging.peak_tflops * 1e12 * dist.world_size)
         if self.blocked_s():
             rec["perf/ckpt_blocked_s"] = self.blocked_s()
         self.logger.scalars(step, rec, kind=f"{self.name}/train")

@@ -35,7 +35,7 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
     never silently used. With data.use_mask also cell_mask.npy (uint8, Tokenizer.token_mask of
     each frame's mask; the mask bits are part of the key). Rank 0 builds; the others wait at the
     barrier."""
-    cfg, d = run.cfg, run.d
+    cfg, dist = run.cfg, run.dist
     use_mask = cfg.data.use_mask
     keyed = {"tokenizer": tok_sha, "data": run.fingerprint, "split": cfg.data.train_split}
     if use_mask:  # only then: the caches of runs without masks keep their keys
@@ -47,7 +47,7 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
         if f.exists() and not f.is_dir():  # every rank sees it (a shared folder); never removed: a user's file
             raise WMError(f"{f} is a file, but the world stage keeps its token cache folder there; move the file "
                           "away (nothing reads it) and rerun")
-    why = _token_cache_problem(folder, tok_sha, run.fingerprint, use_mask) if d.is_main else None
+    why = _token_cache_problem(folder, tok_sha, run.fingerprint, use_mask) if dist.is_main else None
     if why and not why.startswith("missing"):
         run.say(f"note: the token cache {why}; encoding the training frames again")
     if why:  # rank 0 builds: the run folder is shared by all ranks
@@ -72,16 +72,16 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
                 cells[done:done + len(occ)] = tok.token_mask(batch["mask"][:, 0]).numpy()
             done += len(occ)
             tty = sys.stdout.isatty()  # a log file gets a line per 10 %, not a line per batch
-            if d.is_main and (tty or done == frames.num_frames or
+            if dist.is_main and (tty or done == frames.num_frames or
                               done * 10 // frames.num_frames != (done - len(occ)) * 10 // frames.num_frames):
                 print(("\r" if tty else "") + f"token cache: {done}/{frames.num_frames} frames encoded "
                       f"({done / max(1e-9, time.time() - t0):.0f} frames/s)", end="" if tty else "\n", flush=True)
-        if d.is_main and sys.stdout.isatty():
+        if dist.is_main and sys.stdout.isatty():
             print()
         write_token_cache(folder, out, {"tokenizer_sha256": tok_sha, "data_fingerprint": run.fingerprint,
                                         "split": cfg.data.train_split, "frames": frames.num_frames}, cells)
         run.say(f"token cache written: {path}")
-    D.barrier(d)
+    D.barrier(dist)
     return path
 
 

@@ -24,11 +24,11 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def wrap_ddp(model: nn.Module, cfg: Config, device: torch.device, d: D.Dist) -> nn.Module:
+def wrap_ddp(model: nn.Module, cfg: Config, device: torch.device, dist: D.Dist) -> nn.Module:
     """The model under DistributedDataParallel when there is more than one rank, else the model.
     Gradients are views into DDP's buckets (no copy in or out of them); bucket size and wire dtype
     from ddp.bucket_mib / ddp.grad_dtype."""
-    if not d.active:
+    if not dist.active:
         return model
     ddp = nn.parallel.DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None,
