@@ -888,3 +888,29 @@ def test_the_first_steps_time_is_logged_apart_and_the_rate_after_it_is_the_stead
     # the ETA at step 3 is of 6 steps at the steady rate; with the first step's 2 s in the rate it said >= 4 s
     eta = re.search(r"^tokenizer step 3/9 .* ETA (\d+)m(\d\d)s$", out, re.M)
     assert eta and 60 * int(eta.group(1)) + int(eta.group(2)) < 3, out
+
+
+def test_a_finished_stage_leaves_no_dataloader_worker_behind(tiny, restore_signals, monkeypatch):
+    """fit's DataLoader workers end when fit returns, not at some later garbage collection: a
+    reference cycle through the loop kept them (idle, holding memory) into the next stage and then
+    cost seconds of worker shutdown at the run's end. The collector is off, so only references count."""
+    import gc
+    import multiprocessing
+
+    import wm.training.main as T
+
+    real, alive = T.fit, []
+
+    def fit_and_count(*a, **kw):
+        out = real(*a, **kw)
+        alive.append(len(multiprocessing.active_children()))
+        return out
+
+    monkeypatch.setattr(T, "fit", fit_and_count)
+    gc.collect()
+    gc.disable()
+    try:
+        assert T.main(tiny.args(loader__num_workers=1, tokenizer_stage__max_steps=2)) == 0
+    finally:
+        gc.enable()
+    assert alive == [0], alive

@@ -291,8 +291,9 @@ class StageLoop:
         self.progress = Progress(t0, run.dist.world_size, total=self.parts.total)
         self.ckpts = StageCheckpoints(run, stage, self.parts, self.progress)
         self.ckpt = self.ckpts.ckpt  # rank 0's Checkpointer, None on the others
+        model = self.model  # not self: a cycle through the loop would keep its DataLoader workers past fit
         self.log = StepLog(run, stage.name, self.parts, self.progress, device, self.ckpts.blocked_s,
-                           lambda batch: count_flops(stage, self.model, batch, device, dtype))
+                           lambda batch: count_flops(stage, model, batch, device, dtype))
         self.validator = Validator(run, stage, self.parts, self.progress, self.env, self.log)
         self.outcomes = Outcomes(stage.name, run.cfg.train.max_nonfinite, run.log, run.say, self.ckpts.last_good)
 
