@@ -13,8 +13,6 @@ from pathlib import Path
 
 import torch
 
-import wm.checkpoint.files as ck
-import wm.training.loop as L
 from wm.utils.errors import WMError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -306,6 +304,8 @@ def cdir(run_dir: Path, stage: str = "tokenizer") -> Path:
 
 def stop_after(monkeypatch, steps: int) -> None:
     """As if SIGTERM came during step `steps`: the run saves it and exits 0."""
+    import wm.training.loop as L  # here, not at the top: every test session imports this module
+
     real, calls = L.train_step, {"n": 0}
 
     def step(*a, **kw):
@@ -332,6 +332,8 @@ def flip_chunk(shard: Path, field: str, frame: int) -> None:
 def plant(folder: Path, name: str, obj) -> Path:
     """Put `obj` as checkpoint `name` with its .sha256 and the `latest` pointer updated to match:
     intact by every checksum, so only what it holds can tell it does not belong."""
+    import wm.checkpoint.files as ck
+
     path = folder / name
     path.unlink(missing_ok=True)  # a new file: best.pt is a hard link of a step file
     torch.save(obj, path)
