@@ -45,6 +45,7 @@ from wm.models.world import WorldModel
 from wm.training import compile_cache
 from wm.training.wrappers import compile_args
 from wm.utils.errors import WMError
+from wm.utils.precision import cast_for_inference
 
 __all__ = ["Forecaster", "Prediction", "DTYPES", "prepare_inputs"]
 
@@ -223,8 +224,9 @@ class Forecaster:
         self._graphs: dict = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
         self.checkpoint, self.tokenizer_checkpoint = checkpoint, tokenizer_checkpoint
-        self.tokenizer = tokenizer.to(self.device).eval().requires_grad_(False)
-        self.world = world.to(self.device).eval().requires_grad_(False)
+        # the matmul weights in the autocast dtype once (copies: the caller's models keep theirs)
+        self.tokenizer = cast_for_inference(tokenizer.to(self.device).eval().requires_grad_(False), self.amp)
+        self.world = cast_for_inference(world.to(self.device).eval().requires_grad_(False), self.amp)
         self._encode, self._step, self._decode = self.tokenizer.encode, self.world.step, self.tokenizer.decode
         self.cache_dir, self.say, self._compiled_shapes = cache_dir, say, set()
         if aoti_dir is not None and compile is not None:

@@ -31,6 +31,7 @@ from wm.checkpoint.files import sha256_file
 import wm.training.compile_cache as compile_cache
 from wm.utils.atomic import write_bytes
 from wm.utils.errors import WMError
+from wm.utils.precision import cast_for_inference
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Inductor's options of a tuned package: coordinate-descent launch settings per kernel and NHWC
@@ -76,7 +77,9 @@ def build(trained, out: Path, device: torch.device, dtype: str = "bf16", batch: 
     cfg = trained.cfg
     P, S = cfg.data.past, steps or cfg.data.future
     given = cfg.train.forecast_motion == "given" if given is None else given
-    module = WholeForecast(trained.tokenizer.to(device).eval(), trained.world.to(device).eval(), S, DTYPES[dtype])
+    amp = DTYPES[dtype]  # the matmul weights in the autocast dtype once, as the Forecaster holds them
+    module = WholeForecast(cast_for_inference(trained.tokenizer.to(device).eval(), amp),
+                           cast_for_inference(trained.world.to(device).eval(), amp), S, amp)
     gen = torch.Generator().manual_seed(0)
     occ = torch.randint(0, cfg.data.num_classes, (batch, P, *cfg.data.grid), generator=gen, dtype=torch.uint8).to(device)
     motion = (torch.randn(batch, P, 3, generator=gen) * 0.5).to(device)
