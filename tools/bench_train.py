@@ -107,7 +107,7 @@ import wm.training.loop as L  # noqa: E402
 import wm.training.main as T  # noqa: E402
 import wm.training.stages as S  # noqa: E402
 from wm.training.step_graph import WARMUP as GW, GraphedStep, plain_optimizer_state, set_lr  # noqa: E402
-from wm.utils import distributed as D  # noqa: E402
+from wm.utils import distributed  # noqa: E402
 from wm.utils.errors import WMError, run_cli  # noqa: E402
 
 VARIANTS = ("fp32-b1", "bf16", "bf16-compile", "graphs", "recipe", "bf16-ckpt1", "bf16-ckptk", "onthefly",
@@ -170,7 +170,7 @@ def measure_peaks(device: torch.device) -> dict:
 # the world stage without its token cache
 
 
-class OnTheFlyWorld:
+class OnTheFlyWorld(S.Stage):
     """The world stage fed occupancy windows instead of the token cache: each step encodes them with
     the frozen tokenizer (no grad, under the step's autocast), then the same loss (WorldStage.loss)."""
 
@@ -192,7 +192,7 @@ class OnTheFlyWorld:
     def inductor_options(self) -> dict:
         return self.ws.inductor_options()
 
-    def after_step(self, model: nn.Module, dist: D.Dist, skipped: torch.Tensor) -> None:
+    def after_step(self, model: nn.Module, dist: distributed.Dist, skipped: torch.Tensor) -> None:
         self.ws.after_step(model, dist, skipped)
 
 
@@ -206,10 +206,10 @@ class Runner:
     DDP when world > 1 and torch.compile when compile.enable. `step()` sets the scheduled learning
     rate and runs wm.training.loop.train_step: the loop's step, nothing else."""
 
-    def __init__(self, stage, cfg, dist: D.Dist, device: torch.device, dtype):
+    def __init__(self, stage, cfg, dist: distributed.Dist, device: torch.device, dtype):
         self.stage, self.cfg, self.dist, self.device, self.dtype = stage, cfg, dist, device, dtype
         p = L.stage_parts(stage, cfg, dist, device, dtype)
-        self.s, self.model, self.batch, self.opt, self.scaler = p.s, p.model, p.batch, p.opt, p.scaler
+        self.scfg, self.model, self.batch, self.opt, self.scaler = p.scfg, p.model, p.batch, p.opt, p.scaler
         self.sampler, self.loader, self.total = p.sampler, p.loader, p.total
         L.seed_all(cfg.run.seed * 1000 + dist.rank)
         self.run_step, self.compiling = L.make_step(stage, p, cfg, device, dtype, dist, say=lambda *a, **k: say(dist, *a, **k))
@@ -220,14 +220,14 @@ class Runner:
 
     def step(self) -> L.StepResult:
         for g in self.opt.param_groups:
-            set_lr(g, self.s.lr * L.lr_factor(self.step_no, self.total, self.s))
+            set_lr(g, self.scfg.lr * L.lr_factor(self.step_no, self.total, self.scfg))
         r = self.run_step(self.next_batch)
         self.step_no += 1
         return r
 
     def state(self) -> dict:
         """What fit checkpoints (every rank takes part: the RNG states are gathered)."""
-        rng = D.gather_objects(rng_state(), self.dist)
+        rng = distributed.gather_objects(rng_state(), self.dist)
         return {"model": self.model.state_dict(), "optimizer": plain_optimizer_state(self.opt),
                 "scaler": self.scaler.state_dict(), "sampler": self.sampler.state_dict(),
                 "step": self.step_no, "epoch": self.sampler.epoch, "rng": rng, "config": to_dict(self.cfg)}
@@ -242,7 +242,7 @@ class Runner:
 
 
 class Bench:
-    def __init__(self, run: Run, dist: D.Dist, device: torch.device, a, peaks: dict):
+    def __init__(self, run: Run, dist: distributed.Dist, device: torch.device, a, peaks: dict):
         self.run, self.dist, self.device, self.a, self.peaks = run, dist, device, a, peaks
         self.cuda = device.type == "cuda"
 
@@ -273,12 +273,12 @@ class Bench:
 
     def _agree(self, value: float, op: str) -> float:
         t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
-        return float(D.all_reduce_(t, self.dist, op=op).item())
+        return float(distributed.all_reduce_(t, self.dist, op=op).item())
 
     def _agree_each(self, values: list) -> list:
         """Each value's maximum over the ranks, in one collective."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        return D.all_reduce_(t, self.dist, op="max").tolist()
+        return distributed.all_reduce_(t, self.dist, op="max").tolist()
 
     def measure(self, stage: str, name: str, cfg, onthefly: bool = False) -> dict:
         """Build the variant, warm up, count the FLOPs of a step, time `--steps` steps."""
@@ -307,7 +307,7 @@ class Bench:
                 mallocs = allocator_calls(device)
             # every rank starts the timed steps together: else the first step's all-reduce holds the
             # ranks that finished the FLOP count early, a wait that training never has
-            D.barrier(dist)
+            distributed.barrier(dist)
             per_step, host, wait, samples, skipped, marks, prev = [], [], 0.0, 0, 0, [], None
             gc_ms = []
             # the collector as fit runs it (ddp.gc_every), and the time each step spends in it
@@ -362,7 +362,7 @@ class Bench:
             act, mallocs = None, [None, None]
         sps = samples / total
         achieved = flops_per_sample * sps  # all ranks together
-        s = runner.s  # as this world size runs it: micro-batch and accumulation
+        s = runner.scfg  # as this world size runs it: micro-batch and accumulation
         prec = "fp32" if dtype is None else {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
         rec = {"stage": stage, "variant": name, "status": "ok", "amp": prec, "batch": runner.batch,
                "grad_accum": s.grad_accum, "global_batch": runner.batch * s.grad_accum * dist.world_size,
@@ -522,7 +522,7 @@ class Bench:
                 blocked.append(time.perf_counter() - t)
                 del state
                 n = 0
-                while n < a.save_gap or D.any_rank(bool(ck and getattr(ck, "_thread", None) is not None
+                while n < a.save_gap or distributed.any_rank(bool(ck and getattr(ck, "_thread", None) is not None
                                                         and ck._thread.is_alive()), dist):
                     ts = time.perf_counter()
                     runner.step()
@@ -764,7 +764,7 @@ def main(argv=None) -> int:
         return scaling_report(*a.scaling)
     cfg = load_config(a.cfg, a.set)
     cfg.logging.tensorboard, cfg.logging.images = False, False
-    dist = D.init(cfg.train.device, cfg.ddp.timeout_s)
+    dist = distributed.init(cfg.train.device, cfg.ddp.timeout_s)
     base = None
     try:
         device = dist.device
@@ -778,12 +778,12 @@ def main(argv=None) -> int:
         if dist.is_main:
             Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
             base = tempfile.mkdtemp(prefix=".bench-train-", dir=cfg.run.out_dir)
-        base = D.broadcast_object(base, dist)
+        base = distributed.broadcast_object(base, dist)
         cfg.run.out_dir, cfg.run.name = base, "bench"
         run = Run(cfg, dist)
         card = torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine()
         peaks = measure_peaks(device)
-        peaks = D.broadcast_object(peaks, dist)
+        peaks = distributed.broadcast_object(peaks, dist)
         say(dist, f"{card}, {dist.world_size} process(es); matmul peak measured: "
             + ", ".join(f"{k} {v:.3g} TFLOP/s" for k, v in peaks.items()), file=sys.stderr)
         bench = Bench(run, dist, device, a, peaks)
@@ -897,16 +897,16 @@ def main(argv=None) -> int:
                        "extrapolation": extra, "checks": {n: ok for n, ok in found}, "profiles": profiles}
                 Path(a.json).write_text(json.dumps(out, indent=1))
                 print(f"wrote {a.json}")
-        D.barrier(dist)
+        distributed.barrier(dist)
         run.log.close()
         return 0
     finally:
         if dist.is_main and base:
             shutil.rmtree(base, ignore_errors=True)
-        D.close(dist)
+        distributed.close(dist)
 
 
-def ensure_tokenizer_checkpoint(run: Run, dist: D.Dist) -> None:
+def ensure_tokenizer_checkpoint(run: Run, dist: distributed.Dist) -> None:
     """A randomly initialised tokenizer checkpoint for the world stage (timing needs no trained one)."""
     folder = run.stage_dir("tokenizer") / "checkpoints"
     if dist.is_main and latest_checkpoint(folder) is None:
@@ -916,7 +916,7 @@ def ensure_tokenizer_checkpoint(run: Run, dist: D.Dist) -> None:
         with Checkpointer(folder, async_save=False) as ck:
             ck.save({"model": tok.state_dict(), "stage": "tokenizer", "config": to_dict(cfg),
                      "data_fingerprint": run.fingerprint}, 0)
-    D.barrier(dist)
+    distributed.barrier(dist)
 
 
 if __name__ == "__main__":

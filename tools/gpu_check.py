@@ -58,7 +58,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from wm.utils import distributed as D  # noqa: E402
+from wm.utils import distributed  # noqa: E402
 from wm.utils.errors import WMError, first_line, run_cli  # noqa: E402
 
 CHECKS = ("versions", "tests", "steps", "ddp", "allreduce", "reads")
@@ -212,7 +212,7 @@ def worker(a) -> int:
 
     B = load_bench()
     cfg = load_config(a.cfg, a.set)
-    dist = D.init(cfg.train.device, cfg.ddp.timeout_s)
+    dist = distributed.init(cfg.train.device, cfg.ddp.timeout_s)
     out: dict = {"stages": {}, "world_size": dist.world_size}
     try:
         device = dist.device
@@ -265,7 +265,7 @@ def worker(a) -> int:
         run.log.close()
         run.close()
     finally:
-        D.close(dist)
+        distributed.close(dist)
     if dist.is_main:
         print(RESULT + json.dumps(out), flush=True)
     # End before this frame frees the DDP reducers and with them the gloo group: its destructor joins
@@ -275,17 +275,17 @@ def worker(a) -> int:
     os._exit(0)
 
 
-def allreduce_busbw(dist: D.Dist, mib: float) -> dict:
+def allreduce_busbw(dist: distributed.Dist, mib: float) -> dict:
     """NCCL-tests' bus bandwidth of an fp32 all-reduce: bytes / time x 2 (n - 1) / n, best of the timed runs."""
     t = torch.ones(int(mib * 2**20 / 4), device=dist.device)
     sync = torch.cuda.synchronize if dist.device.type == "cuda" else (lambda: None)
     for _ in range(3):
-        D.all_reduce_(t, dist)
+        distributed.all_reduce_(t, dist)
     sync()
     best = math.inf
     for _ in range(10 if dist.device.type == "cuda" else 3):
         t0 = time.perf_counter()
-        D.all_reduce_(t, dist)
+        distributed.all_reduce_(t, dist)
         sync()
         best = min(best, time.perf_counter() - t0)
     n = dist.world_size

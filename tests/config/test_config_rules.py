@@ -159,8 +159,8 @@ def test_a_run_folder_in_the_old_layout_evaluates_and_resumes(tiny, capsys):
     new = json.loads(conf.read_text())
     conf.write_text(json.dumps({**old_layout(new, **{"tokenizer.checkpoint_policy": "selective"}),
                                 "meta": new["meta"]}))
-    st = ck.load_checked(folder / ck.checkpoint_name(1))
-    plant(folder, ck.checkpoint_name(1), {**st, "config": old_layout(st["config"])})
+    ckpt_state = ck.load_checked(folder / ck.checkpoint_name(1))
+    plant(folder, ck.checkpoint_name(1), {**ckpt_state, "config": old_layout(ckpt_state["config"])})
     assert "train" in ck.load_checked(folder / ck.checkpoint_name(1))["config"]  # the old layout's own keys
     assert "compile" in ck.load_checked(folder / ck.checkpoint_name(1))["config"]["train"]
 
@@ -185,8 +185,8 @@ def test_an_old_layout_world_checkpoint_evaluates(ev, tmp_path):
     shutil.copytree(ev.run, tmp_path / "runs" / "r")
     folder = tmp_path / "runs" / "r" / "world" / "checkpoints"
     for p in ck.list_checkpoints(folder) + [folder / ck.BEST] * (folder / ck.BEST).exists():
-        st = ck.load_checked(p)
-        plant(folder, p.name, {**st, "config": old_layout(st["config"])})
+        ckpt_state = ck.load_checked(p)
+        plant(folder, p.name, {**ckpt_state, "config": old_layout(ckpt_state["config"])})
     args = ev.t.args(train__stages="tokenizer,world", run__out_dir=str(tmp_path / "runs"))
     out = tmp_path / "r.json"
     assert T.main(args + ["--eval-only", "--stage", "world", "--horizons", "0.5", "--json", str(out)]) == 0

@@ -295,10 +295,10 @@ def test_mask_option_scores_only_visible_voxels(ev, tmp_path):
 
 
 def test_moved_run_finds_its_tokenizer_by_hash(ev, tmp_path):
-    st = load(ev.run / "world" / "checkpoints" / "best.pt")
-    st["tokenizer"]["path"] = "/gone/runs/r/tokenizer/checkpoints/best.pt"  # where the run used to be
+    ckpt_state = load(ev.run / "world" / "checkpoints" / "best.pt")
+    ckpt_state["tokenizer"]["path"] = "/gone/runs/r/tokenizer/checkpoints/best.pt"  # where the run used to be
     moved = ev.run / "world" / "checkpoints" / "moved.pt"
-    torch.save(st, moved)
+    torch.save(ckpt_state, moved)
     try:
         out = tmp_path / "m.json"
         assert T.main(ev.args("--ckpt", str(moved), "--horizons", "0.5", "--json", str(out))) == 0

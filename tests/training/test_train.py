@@ -117,8 +117,8 @@ def test_sigterm_resume_is_bitwise_exact_mid_epoch(tiny):
     # an epoch boundary (new permutation, validation, best checkpoint) and dead-code resets
     ref, got, stopped = straight_then_interrupted(tiny, "tokenizer", n=16, k=2)
     assert stopped % 12 != 0
-    st = load(ckpt_dir(tiny.run_dir("cut")) / ck.checkpoint_name(stopped))
-    assert st["sampler"]["consumed"] != 0, "the stop was meant to land mid-epoch"
+    ckpt_state = load(ckpt_dir(tiny.run_dir("cut")) / ck.checkpoint_name(stopped))
+    assert ckpt_state["sampler"]["consumed"] != 0, "the stop was meant to land mid-epoch"
     assert_same_training_state(ref, got)
 
 
@@ -240,12 +240,12 @@ def test_kill9_at_random_moments_leaves_loadable_checkpoint_and_same_result(tiny
             assert before is None
             kills.append((attempt, target, round(delay, 3), None, temps))
             continue
-        st = load(newest)  # the newest complete checkpoint loads (weights_only=True)
-        assert st["step"] == int(newest.stem.split("_")[1])
-        assert set(st) >= {"model", "optimizer", "sampler", "rng", "step"}
+        ckpt_state = load(newest)  # the newest complete checkpoint loads (weights_only=True)
+        assert ckpt_state["step"] == int(newest.stem.split("_")[1])
+        assert set(ckpt_state) >= {"model", "optimizer", "sampler", "rng", "step"}
         if before is not None:  # a kill never loses the checkpoint a run resumed from
-            assert st["step"] >= int(before.stem.split("_")[1])
-        kills.append((attempt, target, round(delay, 3), st["step"], temps))
+            assert ckpt_state["step"] >= int(before.stem.split("_")[1])
+        kills.append((attempt, target, round(delay, 3), ckpt_state["step"], temps))
     print(f"kill -9 seed {seed}: (attempt, after line, delay, newest step, temp files) {kills}")
     assert len(kills) >= 3, f"fewer than 3 kills landed (seed {seed}): {kills}"
     assert temps_seen >= 1, f"no kill landed during a checkpoint write (seed {seed}): {kills}"

@@ -33,7 +33,7 @@ from wm.config.init import matches
 from wm.config.loading import from_saved, key_rules, to_dict
 from wm.config.rules import MATCH
 from wm.config.sections import Config
-from wm.utils import distributed as D
+from wm.utils import distributed
 from wm.utils.atomic import write_bytes
 from wm.utils.errors import ConfigError, WMError
 
@@ -420,7 +420,7 @@ def adopt_tokenizer(run: Run, model: nn.Module) -> None:
         with Checkpointer(run.stage_dir("tokenizer") / "checkpoints", keep_last=2, async_save=False) as ck:
             ck.save(state, 0)
         run.say(f"tokenizer: the source's tokenizer, used as it is, saved as {run.stage_dir('tokenizer') / 'checkpoints'}")
-    D.barrier(run.dist)
+    distributed.barrier(run.dist)
 
 
 # ---------------------------------------------------------------------------------------------

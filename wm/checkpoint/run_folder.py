@@ -25,7 +25,7 @@ from wm.config.rules import ALLOWED, FREE, MATCH
 from wm.config.sections import Config, resolve_batch_sizes
 from wm.config.upgrade import upgrade
 from wm.data.windows import check_against_config, resolve_root
-from wm.utils import distributed as D, runlock
+from wm.utils import distributed, runlock
 from wm.utils.atomic import fsync_dir, mib, require_space, tmp_path
 from wm.utils.errors import ConfigError, DataError, WMError, first_line
 from wm.utils.logs import Logger
@@ -45,7 +45,7 @@ def git_commit() -> Optional[str]:
 class Run:
     """Everything both stages share: config, ranks, data root and fingerprint, folder, logger."""
 
-    def __init__(self, cfg: Config, dist: D.Dist, fresh: bool = False, allow_new_data: bool = False,
+    def __init__(self, cfg: Config, dist: distributed.Dist, fresh: bool = False, allow_new_data: bool = False,
                  allow_changed: tuple[str, ...] = ()):
         self.cfg, self.dist = cfg, dist
         self.locked = False
@@ -73,11 +73,11 @@ class Run:
                 self._open_folder(fresh, allow_new_data, allow_changed, meta)
             except WMError as e:
                 error = e
-        failure = D.broadcast_object(None if error is None else str(error), dist)  # every rank stops with it
+        failure = distributed.broadcast_object(None if error is None else str(error), dist)  # every rank stops with it
         if failure is not None:
             raise error or WMError(failure)
-        self.resuming, self.fingerprints = D.broadcast_object((self.resuming, self.fingerprints), dist)
-        D.barrier(dist)
+        self.resuming, self.fingerprints = distributed.broadcast_object((self.resuming, self.fingerprints), dist)
+        distributed.barrier(dist)
         self.log = Logger(self.dir, enabled=dist.is_main, tensorboard=cfg.logging.tensorboard)
 
     def _open_folder(self, fresh: bool, allow_new_data: bool, allow_changed: tuple[str, ...], meta: dict) -> None:
@@ -370,11 +370,11 @@ def _meta_problem(meta: dict) -> Optional[str]:
     return None
 
 
-def shared_root(cfg: Config, dist: D.Dist, say=print) -> Path:
+def shared_root(cfg: Config, dist: distributed.Dist, say=print) -> Path:
     """The data root on every rank: data.root, or the synthetic set, which rank 0 generates first and
     the others then find."""
     root = data_root(cfg, log=say) if dist.is_main or cfg.data.root else None
-    D.barrier(dist)
+    distributed.barrier(dist)
     return root if root is not None else data_root(cfg, log=say)
 
 

@@ -57,7 +57,7 @@ from wm.data.windows import OccWindows, check_against_config, ignore_stop_signal
 from wm.evaluation.metrics import MODES, OCCWORLD_STEPS, ConfusionMatrix, copy_last
 from wm.models.tokenizer import Tokenizer
 from wm.models.world import WorldModel
-from wm.utils import distributed as D
+from wm.utils import distributed
 from wm.utils.atomic import write_bytes
 from wm.utils.errors import DataError, WMError
 from wm.utils.logs import Progress
@@ -78,7 +78,7 @@ STAGE_WORDS = {"tokenizer": "tokenizer", "world": "world-model"}
 # the shared evaluation loops (training-time validation and --eval-only)
 
 
-def eval_batches(ds, dist: D.Dist, batch_size: int, num_workers: int = 0, pin_memory: bool = False,
+def eval_batches(ds, dist: distributed.Dist, batch_size: int, num_workers: int = 0, pin_memory: bool = False,
                  progress: str = "", log=print):
     """This rank's share of the evaluation windows (every world_size-th, no padding: the counts
     are all-reduced after, so every window is scored exactly once). With `progress` (what is
@@ -128,7 +128,7 @@ class Forecast:
 
 
 @torch.no_grad()
-def reconstruction(tokenizer: Tokenizer, batches: Iterable[dict], dist: D.Dist, device: torch.device,
+def reconstruction(tokenizer: Tokenizer, batches: Iterable[dict], dist: distributed.Dist, device: torch.device,
                    dtype: Optional[torch.dtype], num_classes: int, free: int,
                    keep_first: bool = False) -> Recon:
     """Encode and decode every frame of `batches` (items with `occ` (B, 1, X, Y, Z) and optionally
@@ -147,13 +147,13 @@ def reconstruction(tokenizer: Tokenizer, batches: Iterable[dict], dist: D.Dist, 
         used += torch.bincount(codes.flatten(), minlength=used.numel()).float()
         if keep_first and first is None:
             first = [occ[:4].cpu().numpy(), pred[:4].cpu().numpy()]
-    cm.reduce_(lambda t: D.all_reduce_(t, dist))
-    D.all_reduce_(used, dist)
+    cm.reduce_(lambda t: distributed.all_reduce_(t, dist))
+    distributed.all_reduce_(used, dist)
     return Recon(cm, used, first)
 
 
 @torch.no_grad()
-def forecast(tokenizer: Tokenizer, world: WorldModel, batches: Iterable[dict], dist: D.Dist,
+def forecast(tokenizer: Tokenizer, world: WorldModel, batches: Iterable[dict], dist: distributed.Dist,
              device: torch.device, dtype: Optional[torch.dtype], past: int, future: int,
              num_classes: int, free: int, given_motion: bool = True, keep_first: bool = False) -> Forecast:
     """Roll the world model out `future` steps from each window's `past` frames (codes from the
@@ -177,7 +177,7 @@ def forecast(tokenizer: Tokenizer, world: WorldModel, batches: Iterable[dict], d
         if keep_first and first is None:
             first = [occ[0, past:].cpu().numpy(), pred[0].cpu().numpy()]
     for cm in (ours, base):
-        cm.reduce_(lambda t: D.all_reduce_(t, dist))
+        cm.reduce_(lambda t: distributed.all_reduce_(t, dist))
     return Forecast(ours, base, first)
 
 
@@ -306,42 +306,42 @@ def stage_checkpoint(run_dir: Path, stage: str, say=print) -> tuple[Path, dict]:
     return found
 
 
-def load_stage(path: Path, stage: Optional[str] = None, what: str = "--ckpt", st: Optional[dict] = None) -> dict:
-    """A wm training checkpoint (`st`: already loaded from `path`), refused with one line when
+def load_stage(path: Path, stage: Optional[str] = None, what: str = "--ckpt", ckpt_state: Optional[dict] = None) -> dict:
+    """A wm training checkpoint (`ckpt_state`: already loaded from `path`), refused with one line when
     missing, damaged, not wm's, or of another stage than `stage`."""
     if not path.is_file():
         raise WMError(f"{what} {path} does not exist")
-    if st is None:
-        st = load_ckpt(path)  # checksum first; CheckpointError (one line) for a damaged file
-    got = st.get("stage") if isinstance(st, dict) else None
-    if not isinstance(got, str) or got not in STAGE_WORDS or "model" not in st or "config" not in st:
+    if ckpt_state is None:
+        ckpt_state = load_ckpt(path)  # checksum first; CheckpointError (one line) for a damaged file
+    got = ckpt_state.get("stage") if isinstance(ckpt_state, dict) else None
+    if not isinstance(got, str) or got not in STAGE_WORDS or "model" not in ckpt_state or "config" not in ckpt_state:
         raise WMError(f"{path} is not a wm training checkpoint (no stage, model and config in it)")
     if stage is not None and got != stage:
         raise WMError(f"{path} is a {STAGE_WORDS[got]} checkpoint, but a {STAGE_WORDS[stage]} checkpoint "
                       f"is needed here ({what}); {stage} checkpoints live in runs/<name>/{stage}/checkpoints/")
-    why = own_model_problem(st, got)  # its config readable, its weights the model that config describes
+    why = own_model_problem(ckpt_state, got)  # its config readable, its weights the model that config describes
     if why:
         raise WMError(f"{path} {why}; it is not a checkpoint wm can use")
-    bad = first_nonfinite(st, ("model",))
+    bad = first_nonfinite(ckpt_state, ("model",))
     if bad:
         raise WMError(f"{path} holds non-finite values (first: {bad}); evaluate a checkpoint saved before them")
-    return st
+    return ckpt_state
 
 
-def check_config(st: dict, cfg: Config, stage: str, path: Path) -> None:
+def check_config(ckpt_state: dict, cfg: Config, stage: str, path: Path) -> None:
     """The config given for evaluation must describe the model the checkpoint holds: the same
     model sections (training-only keys aside) and the same grid and classes."""
-    diffs = config_diffs(st["config"], to_dict(cfg), stage)
+    diffs = config_diffs(ckpt_state["config"], to_dict(cfg), stage)
     if diffs:
         key, a, b = diffs[0]
         raise WMError(f"config mismatch: {path} was trained with {key}={a!r} but the config has {b!r}"
                       f"{more_keys(diffs)}; evaluate with the config of the run that trained it (its config.json)")
 
 
-def _build(cls, st: dict, path: Path, *a, **kw):
+def _build(cls, ckpt_state: dict, path: Path, *a, **kw):
     m = cls(*a, **kw)
     try:
-        m.load_state_dict(st["model"])
+        m.load_state_dict(ckpt_state["model"])
     except (RuntimeError, KeyError) as e:
         raise WMError(f"{path}: the weights do not fit the model the config describes "
                       f"({str(e).strip().splitlines()[0][:200]})") from None
@@ -355,15 +355,15 @@ def _build(cls, st: dict, path: Path, *a, **kw):
 def check_stride(plan: list, cfg: Config, frame_rate_hz: float) -> None:
     """A world model forecasts steps of the data.stride it was trained with; scoring it at another
     stride compares its forecast with frames at other times. Refused with the right value."""
-    for s, p, st in plan:
-        trained = ((st.get("config") or {}).get("data") or {}).get("stride")
+    for s, p, ckpt_state in plan:
+        trained = ((ckpt_state.get("config") or {}).get("data") or {}).get("stride")
         if s == "world" and trained is not None and trained != cfg.data.stride:
             step = f" (one forecast step = {trained / frame_rate_hz:g} s at {frame_rate_hz:g} Hz)" if frame_rate_hz > 0 else ""
             raise WMError(f"{p} was trained with data.stride={trained}{step} but the config has "
                           f"data.stride={cfg.data.stride}; evaluate with --set data.stride={trained}")
 
 
-def _data_root(cfg: Config, dist: D.Dist, say) -> Path:
+def _data_root(cfg: Config, dist: distributed.Dist, say) -> Path:
     """data.root, or the synthetic set (rank 0 generates it first), as the training run does."""
     root = shared_root(cfg, dist, say)
     if cfg.data.root and not Path(root).is_dir():
@@ -413,7 +413,7 @@ def default_json(run_dir: Path, stages: Sequence[str], split: str, mode: str, ma
     return run_dir / "eval" / (f"{lead}_{split}_{mode}" + (f"_mask-{mask}" if mask != "none" else "") + hs + ".json")
 
 
-def evaluate_run(cfg: Config, dist: D.Dist, device: torch.device, dtype: Optional[torch.dtype], args) -> int:
+def evaluate_run(cfg: Config, dist: distributed.Dist, device: torch.device, dtype: Optional[torch.dtype], args) -> int:
     """`train.py --eval-only`: evaluate a run's checkpoints under OccWorld's protocol, print the
     table (rank 0) and write the JSON report (rank 0, atomically). Every bad input is refused with
     one line (WMError) before any model runs."""
@@ -433,18 +433,18 @@ def evaluate_run(cfg: Config, dist: D.Dist, device: torch.device, dtype: Optiona
         if args.stage == "all":
             raise WMError("--stage all evaluates a run's checkpoints; with --ckpt only that checkpoint's "
                           "stage is evaluated")
-        st = load_stage(ckpt, args.stage)
-        plan = [(st["stage"], ckpt, st)]
+        ckpt_state = load_stage(ckpt, args.stage)
+        plan = [(ckpt_state["stage"], ckpt, ckpt_state)]
     else:
         stages = list(cfg.train.stages) if args.stage is None else (
             ["tokenizer", "world"] if args.stage == "all" else [args.stage])
         plan = []
         for s in stages:
-            p, st = stage_checkpoint(run_dir, s, say)
-            plan.append((s, p, load_stage(p, s, what="checkpoint", st=st)))
+            p, ckpt_state = stage_checkpoint(run_dir, s, say)
+            plan.append((s, p, load_stage(p, s, what="checkpoint", ckpt_state=ckpt_state)))
     stages = [s for s, _, _ in plan]
-    for s, p, st in plan:
-        check_config(st, cfg, s, p)
+    for s, p, ckpt_state in plan:
+        check_config(ckpt_state, cfg, s, p)
     tok_for_world = None
     if "world" in stages:
         _, wp, wst = next(x for x in plan if x[0] == "world")
@@ -477,13 +477,13 @@ def evaluate_run(cfg: Config, dist: D.Dist, device: torch.device, dtype: Optiona
             horizons, why = default_horizons(info.frame_rate_hz, cfg.data.stride, cfg.data.future)
         steps = horizon_steps(horizons, info.frame_rate_hz, cfg.data.stride, cfg.data.future,
                               longest=cfg.world.max_frames + 1 - cfg.data.past)
-    for s, p, st in plan:
-        fp = st.get("data_fingerprint")
+    for s, p, ckpt_state in plan:
+        fp = ckpt_state.get("data_fingerprint")
         if fp and fp != manifest.fingerprint:
             say(f"note: {p} was trained on data {fp[:16]}, evaluating on {root} ({manifest.fingerprint[:16]})")
 
     out = Path(args.json).expanduser() if args.json else default_json(run_dir, stages, split, mode, mask, ckpt, horizons)
-    failure = D.broadcast_object(unwritable(out.parent) if dist.is_main else None, dist)  # before the evaluation
+    failure = distributed.broadcast_object(unwritable(out.parent) if dist.is_main else None, dist)  # before the evaluation
     if failure:
         raise WMError(f"cannot write the evaluation report {out} ({failure}); choose another path with --json")
     names = list(info.class_names)
@@ -501,27 +501,27 @@ def evaluate_run(cfg: Config, dist: D.Dist, device: torch.device, dtype: Optiona
 
     # ---- tokenizer reconstruction
     if "tokenizer" in stages:
-        _, p, st = next(x for x in plan if x[0] == "tokenizer")
-        tok = _build(Tokenizer, st, p, cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid),
+        _, p, ckpt_state = next(x for x in plan if x[0] == "tokenizer")
+        tok = _build(Tokenizer, ckpt_state, p, cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid),
                      **model_options(cfg, "tokenizer")).to(device).eval()
         ds = OccWindows(root, split, frames_config(cfg.data, use_mask=field is not None),
                         h5_cache_mib=cfg.loader.h5_cache_mib)
         batches = eval_batches(ds, dist, bs["tokenizer"], cfg.loader.num_workers, cfg.loader.pin_memory, "tokenizer", say)
         r = reconstruction(tok, batches,
                            dist, device, dtype, cfg.data.num_classes, cfg.data.free_class)
-        rep["tokenizer"] = {"checkpoint": str(p), "step": st.get("step"), "sha256": sha256_file(p),
-                            "data_fingerprint": st.get("data_fingerprint"), "frames": len(ds),
+        rep["tokenizer"] = {"checkpoint": str(p), "step": ckpt_state.get("step"), "sha256": sha256_file(p),
+                            "data_fingerprint": ckpt_state.get("data_fingerprint"), "frames": len(ds),
                             **recon_report(r, mode, names)}
         del tok
 
     # ---- world-model forecast and copy-last
     if "world" in stages:
-        _, p, st = next(x for x in plan if x[0] == "world")
+        _, p, ckpt_state = next(x for x in plan if x[0] == "world")
         tpath, tsha, tst = tok_for_world
         tok = _build(Tokenizer, tst, tpath, cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid),
                      **model_options(cfg, "tokenizer"))
         tok = tok.to(device).eval().requires_grad_(False)
-        world = _build(WorldModel, st, p, cfg.world, cfg.tokenizer.codebook_size,
+        world = _build(WorldModel, ckpt_state, p, cfg.world, cfg.tokenizer.codebook_size,
                        **model_options(cfg, "world")).to(device).eval()
         ds = OccWindows(root, split, dataclasses.replace(cfg.data, use_mask=field is not None),
                         h5_cache_mib=cfg.loader.h5_cache_mib)
@@ -529,8 +529,8 @@ def evaluate_run(cfg: Config, dist: D.Dist, device: torch.device, dtype: Optiona
         f = forecast(tok, world, batches,
                      dist, device, dtype, cfg.data.past, cfg.data.future, cfg.data.num_classes, cfg.data.free_class,
                      given_motion=cfg.train.forecast_motion == "given")
-        rep["world"] = {"checkpoint": str(p), "step": st.get("step"), "sha256": sha256_file(p),
-                        "data_fingerprint": st.get("data_fingerprint"),
+        rep["world"] = {"checkpoint": str(p), "step": ckpt_state.get("step"), "sha256": sha256_file(p),
+                        "data_fingerprint": ckpt_state.get("data_fingerprint"),
                         "tokenizer_checkpoint": str(tpath), "tokenizer_sha256": tsha,
                         "windows": len(ds), "past": cfg.data.past, "future": cfg.data.future,
                         "stride": cfg.data.stride, "forecast_motion": cfg.train.forecast_motion,

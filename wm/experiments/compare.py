@@ -51,7 +51,7 @@ from wm.checkpoint.files import sha256_file
 from wm.config.loading import from_saved
 from wm.config.sections import Config, model_options
 from wm.evaluation.metrics import ConfusionMatrix, copy_last, paired_bootstrap, step_label
-from wm.utils import distributed as D
+from wm.utils import distributed
 from wm.utils.errors import DataError, WMError
 
 # what both models must share to be scored on the same windows against the same targets
@@ -92,29 +92,29 @@ def _get(cfg: Config, key: str) -> Any:
     return list(v) if isinstance(v, tuple) else v
 
 
-def _config(st: dict, path: Path) -> Config:
+def _config(ckpt_state: dict, path: Path) -> Config:
     try:
-        return from_saved(st["config"]).validate()
+        return from_saved(ckpt_state["config"]).validate()
     except WMError as e:
         raise WMError(f"{path}: its config is refused ({e})") from None
 
 
-def _torch_model(role: str, path: Path, kind: str, ckpt: Path, st: dict, run_dir: Path, device, dtype) -> Model:
+def _torch_model(role: str, path: Path, kind: str, ckpt: Path, ckpt_state: dict, run_dir: Path, device, dtype) -> Model:
     """A world checkpoint and its tokenizer as PyTorch modules, scored by wm.evaluation.evaluate.forecast."""
     from wm.evaluation.evaluate import _build, _precision, check_config, forecast, load_stage
     from wm.checkpoint.trained import world_tokenizer
     from wm.models.tokenizer import Tokenizer
     from wm.models.world import WorldModel
 
-    cfg = _config(st, ckpt)
-    tpath, _ = world_tokenizer(st, ckpt, run_dir)
+    cfg = _config(ckpt_state, ckpt)
+    tpath, _ = world_tokenizer(ckpt_state, ckpt, run_dir)
     tst = load_stage(tpath, "tokenizer", what=f"the tokenizer of {ckpt}")
     check_config(tst, cfg, "tokenizer", tpath)
     tok = _build(Tokenizer, tst, tpath, cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid),
                  **model_options(cfg, "tokenizer")).to(device).eval().requires_grad_(False)
-    world = _build(WorldModel, st, ckpt, cfg.world, cfg.tokenizer.codebook_size,
+    world = _build(WorldModel, ckpt_state, ckpt, cfg.world, cfg.tokenizer.codebook_size,
                    **model_options(cfg, "world")).to(device).eval()
-    d, c = D.Dist(device=device), cfg.data
+    d, c = distributed.Dist(device=device), cfg.data
     given = cfg.train.forecast_motion == "given"
 
     def count(batch: dict) -> torch.Tensor:
@@ -122,7 +122,7 @@ def _torch_model(role: str, path: Path, kind: str, ckpt: Path, st: dict, run_dir
                      given_motion=given)
         return f.ours.counts.cpu()
 
-    return Model(role, path, kind, cfg, ckpt, st.get("step"), st.get("data_fingerprint") or "",
+    return Model(role, path, kind, cfg, ckpt, ckpt_state.get("step"), ckpt_state.get("data_fingerprint") or "",
                  f"torch {device.type} {_precision(dtype)}", count)
 
 
@@ -150,8 +150,8 @@ def _export_model(role: str, folder: Path, row: str) -> Model:
     except ImportError:
         raise WMError(f"--{role} {folder} is an export folder, scored in onnxruntime, which is not installed; "
                       "pip install onnxruntime, or compare the run it was exported from") from None
-    st = load_stage(ckpt, "world", what=f"the checkpoint {rec_file} records")
-    cfg = _config(st, ckpt)
+    ckpt_state = load_stage(ckpt, "world", what=f"the checkpoint {rec_file} records")
+    cfg = _config(ckpt_state, ckpt)
     run, c = ort_row(folder, row), cfg.data
     given = cfg.train.forecast_motion == "given"
 
@@ -162,7 +162,7 @@ def _export_model(role: str, folder: Path, row: str) -> Model:
         cm.update(pred, occ[:, c.past:], batch["mask"][:, c.past:] if "mask" in batch else None)
         return cm.counts
 
-    return Model(role, folder, "export", cfg, ckpt, st.get("step"), st.get("data_fingerprint") or "",
+    return Model(role, folder, "export", cfg, ckpt, ckpt_state.get("step"), ckpt_state.get("data_fingerprint") or "",
                  f"onnxruntime cpu, {row} files", count)
 
 
@@ -177,8 +177,8 @@ def load_model(path: str | os.PathLike, role: str, device: torch.device, dtype: 
         raise WMError(f"--{role} {p} does not exist; pass a run folder (runs/<name>), a world checkpoint "
                       "(.pt) or an export folder")
     if p.is_file():
-        st = load_stage(p, "world", what=f"--{role}")
-        return _torch_model(role, p, "checkpoint", p, st, p.resolve().parent.parent.parent, device, dtype)
+        ckpt_state = load_stage(p, "world", what=f"--{role}")
+        return _torch_model(role, p, "checkpoint", p, ckpt_state, p.resolve().parent.parent.parent, device, dtype)
     if (p / "export.json").is_file():
         return _export_model(role, p, export_row)
     folder = p / "world" / "checkpoints"
@@ -187,9 +187,9 @@ def load_model(path: str | os.PathLike, role: str, device: torch.device, dtype: 
             "neither a wm run folder (no world/checkpoints/) nor an export folder (no export.json)"
         raise WMError(f"--{role} {p} is {what}; pass a run whose world stage has trained, a world checkpoint "
                       "(.pt) or an export folder")
-    ckpt, st = stage_checkpoint(p, "world", say=lambda *a, **k: None)
-    st = load_stage(ckpt, "world", what=f"--{role}", st=st)
-    m = _torch_model(role, p, "run", ckpt, st, p, device, dtype)
+    ckpt, ckpt_state = stage_checkpoint(p, "world", say=lambda *a, **k: None)
+    ckpt_state = load_stage(ckpt, "world", what=f"--{role}", ckpt_state=ckpt_state)
+    m = _torch_model(role, p, "run", ckpt, ckpt_state, p, device, dtype)
     summary = p / "summary.json"
     try:
         m.summary = json.loads(summary.read_text()).get("world") if summary.is_file() else None

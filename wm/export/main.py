@@ -148,7 +148,7 @@ def export(argv, progress: dict) -> int:
         from wm.checkpoint.files import load_checked
         from wm.checkpoint.checks import EVAL_KEYS, problem
 
-        load_checked(a.ckpt, check=lambda p, st: problem(st, st.get("stage") if isinstance(st.get("stage"), str)
+        load_checked(a.ckpt, check=lambda p, ckpt_state: problem(ckpt_state, ckpt_state.get("stage") if isinstance(ckpt_state.get("stage"), str)
                                                          else "world", model="own", keys=EVAL_KEYS))
     t = load_trained(run, a.ckpt)
     if a.batch < 1:

@@ -348,11 +348,11 @@ def build_engine(onnx_path, engine_path, *, min_batch: int, opt_batch: int, max_
 
     flags = 0
     if not weak:
-        st = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
-        if st is not None:
+        flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+        if flag is not None:
             # 11.x keeps the flag (deprecated, ignored: strong typing is always on). If a later 11.x
             # drops the member, 0 is still a strongly typed network there; on 10.x it is required.
-            flags |= 1 << int(st)
+            flags |= 1 << int(flag)
         elif major < 11:
             raise TrtError(f"TensorRT {ver} has no NetworkDefinitionCreationFlag.STRONGLY_TYPED")
     network = builder.create_network(flags)

@@ -56,12 +56,12 @@ class PeakBytes(TorchDispatchMode):
     def _count(self, t) -> None:
         if not isinstance(t, torch.Tensor):
             return
-        st = t.untyped_storage()
-        key = st._cdata
+        storage = t.untyped_storage()
+        key = storage._cdata
         if key in self.known or key in self.refs:
             return
-        n = -(-st.nbytes() // self.block) * self.block
-        self.refs[key] = weakref.ref(st, lambda _, key=key, n=n: self._free(key, n))
+        n = -(-storage.nbytes() // self.block) * self.block
+        self.refs[key] = weakref.ref(storage, lambda _, key=key, n=n: self._free(key, n))
         self.live += n
         self.peak = max(self.peak, self.live)
 

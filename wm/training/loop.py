@@ -43,7 +43,7 @@ from wm.training.step_graph import GraphedStep, set_lr, use_graphs
 from wm.training.step_log import StepLog
 from wm.training.step_outcome import HostCopy, Outcomes, StepResult, step_unless
 from wm.training.wrappers import compiled, wrap_ddp
-from wm.utils import distributed as D
+from wm.utils import distributed
 from wm.utils.atomic import write_bytes
 from wm.utils.errors import WMError
 from wm.utils.precision import autocast
@@ -129,18 +129,18 @@ class Env:
 
     device: torch.device
     dtype: Optional[torch.dtype]
-    dist: D.Dist
+    dist: distributed.Dist
 
 
 @dataclasses.dataclass
 class StageParts:
     """What one stage trains with: the model on its device, AdamW, the GradScaler, the resumable
     sampler and its DataLoader, the step counts, and the stage's config as this world size runs it
-    (`s`: batch_size the micro-batch, grad_accum the micro-steps; wm.training.batching.resolved)."""
+    (`scfg`: batch_size the micro-batch, grad_accum the micro-steps; wm.training.batching.resolved)."""
 
     model: nn.Module
     batch: int  # per rank and micro-step
-    s: StageConfig
+    scfg: StageConfig
     opt: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     sampler: ResumableSampler
@@ -164,14 +164,14 @@ def train_step(stage: Stage, net: Handles, parts: StageParts, env: Env, next_bat
     `net`: the model's handles (`net.model` is `parts.model`); of `parts` the step uses the optimizer,
     the scaler and the config (`s`); `stop`: the preemption flag (None: never set). The caller sets
     the learning rate."""
-    s, opt, scaler, device, dtype, dist = parts.s, parts.opt, parts.scaler, env.device, env.dtype, env.dist
+    s, opt, scaler, device, dtype, dist = parts.scfg, parts.opt, parts.scaler, env.device, env.dtype, env.dist
     terms: dict[str, torch.Tensor] = {}
     wait, samples = 0.0, 0
     for micro in range(s.grad_accum):
         t0 = time.perf_counter()
         b = next_batch()
         # stand-in stages (a bench's, a test's) may have no prepare
-        b = to_device(stage.prepare(b) if hasattr(stage, "prepare") else b, device)
+        b = to_device(stage.prepare(b), device)
         wait += time.perf_counter() - t0
         sync = micro == s.grad_accum - 1
         with (net.ddp.no_sync() if dist.active and not sync else contextlib.nullcontext()):
@@ -187,7 +187,7 @@ def train_step(stage: Stage, net: Handles, parts: StageParts, env: Env, next_bat
     # torch.full, not torch.tensor: a host value copied to the GPU would wait for the queue
     flags = torch.stack([(~torch.isfinite(terms["loss"]) | ~torch.isfinite(gnorm)).float(),
                          torch.full((), float(stop is not None and stop.requested), device=device)])
-    D.all_reduce_(flags, dist, op="max")  # every rank skips, and stops at, the same steps
+    distributed.all_reduce_(flags, dist, op="max")  # every rank skips, and stops at, the same steps
     if dtype == torch.float16:
         scaler.step(opt)
         scaler.update()
@@ -198,7 +198,7 @@ def train_step(stage: Stage, net: Handles, parts: StageParts, env: Env, next_bat
     return StepResult(terms, gnorm, HostCopy(flags), dtype == torch.float16, wait, samples, b)
 
 
-def stage_parts(stage: Stage, cfg: Config, dist: D.Dist, device: torch.device, dtype) -> StageParts:
+def stage_parts(stage: Stage, cfg: Config, dist: distributed.Dist, device: torch.device, dtype) -> StageParts:
     """fit's set-up of a stage (also tools/bench_train.py's, so the bench times what fit runs)."""
     s = resolved(cfg, stage.name, dist.world_size)
     model = stage.model.to(device)
@@ -211,14 +211,14 @@ def stage_parts(stage: Stage, cfg: Config, dist: D.Dist, device: torch.device, d
     return StageParts(model, batch, s, opt, scaler, sampler, loader, per_epoch, stage_total(s, 0, sampler, batch))
 
 
-def make_step(stage: Stage, parts: StageParts, cfg: Config, device: torch.device, dtype, dist: D.Dist, say):
+def make_step(stage: Stage, parts: StageParts, cfg: Config, device: torch.device, dtype, dist: distributed.Dist, say):
     """The step fit and the bench call, `step(next_batch, stop) -> StepResult`, and whether the
     forward is torch.compile'd (for the log): train_step under DDP (several ranks) and torch.compile,
     or the step captured as CUDA graphs (compile.cuda_graphs; wm.training.step_graph), the same
     computation."""
     if use_graphs(cfg, device, dtype, say):
         fwd = compiled(parts.model, cfg, stage.inductor_options(), parts.total)
-        return GraphedStep(stage, parts.model, parts.opt, parts.s, device, dtype, dist, fwd,
+        return GraphedStep(stage, parts.model, parts.opt, parts.scfg, device, dtype, dist, fwd,
                            grad_dtype=cfg.ddp.grad_dtype, say=say), fwd is not parts.model
     ddp = wrap_ddp(parts.model, cfg, device, dist)
     net = Handles(parts.model, ddp, compiled(ddp, cfg, stage.inductor_options(), parts.total))
@@ -232,7 +232,7 @@ def make_step(stage: Stage, parts: StageParts, cfg: Config, device: torch.device
 def schedule(parts: StageParts, step: int, total: int) -> None:
     """The learning rate of the next step (`step` taken so far): warm-up, then cosine, times each group's lr_mult."""
     for g in parts.opt.param_groups:
-        set_lr(g, parts.s.lr * lr_factor(step, total, parts.s) * g.get("lr_mult", 1.0))
+        set_lr(g, parts.scfg.lr * lr_factor(step, total, parts.scfg) * g.get("lr_mult", 1.0))
 
 
 def fit(run: Run, stage: Stage, device: torch.device, dtype, stop: Preemption, t0: Optional[float] = None) -> dict:
@@ -313,21 +313,21 @@ class StageLoop:
         """Go on from the newest good checkpoint, if any (StageCheckpoints.find): the model, AdamW, the
         scaler, the data order, the best validation, the time so far, and the RNG streams (re-seeded
         when the number of ranks changed: they are per rank and cannot be split or merged)."""
-        path, st = self.ckpts.find()
+        path, ckpt_state = self.ckpts.find()
         p, parts, dist, cfg, name = self.progress, self.parts, self.run.dist, self.run.cfg, self.stage.name
         p.resumed = path
         if not path:
             return
-        parts.model.load_state_dict(st["model"])
-        parts.opt.load_state_dict(st["optimizer"])
-        parts.scaler.load_state_dict(st["scaler"])
-        parts.sampler.load_state_dict(st["sampler"])
-        self.stage.init_source = st.get("init")  # the fine-tune's source, in every checkpoint after
-        p.step, p.best, p.stale, p.metrics = st["step"], st.get("best"), st.get("stale", 0), st.get("metrics", {})
-        took = st.get("time") or {}
+        parts.model.load_state_dict(ckpt_state["model"])
+        parts.opt.load_state_dict(ckpt_state["optimizer"])
+        parts.scaler.load_state_dict(ckpt_state["scaler"])
+        parts.sampler.load_state_dict(ckpt_state["sampler"])
+        self.stage.init_source = ckpt_state.get("init")  # the fine-tune's source, in every checkpoint after
+        p.step, p.best, p.stale, p.metrics = ckpt_state["step"], ckpt_state.get("best"), ckpt_state.get("stale", 0), ckpt_state.get("metrics", {})
+        took = ckpt_state.get("time") or {}
         p.before_s = (float(took.get("wall_s", 0.0)), float(took.get("device_s", 0.0)))
-        p.total = stage_total(parts.s, p.step, parts.sampler, parts.batch)
-        rngs, sampler = st["rng"], parts.sampler
+        p.total = stage_total(parts.scfg, p.step, parts.sampler, parts.batch)
+        rngs, sampler = ckpt_state["rng"], parts.sampler
         self.run.say(f"{name}: resumed from {path} at step {p.step}/{p.total} (epoch {sampler.epoch})")
         if len(rngs) == dist.world_size:
             set_rng_state(rngs[dist.rank])
@@ -367,7 +367,7 @@ class StageLoop:
         (once its last save is on disk). Returns the last validation."""
         dist, name, reason, p = self.run.dist, self.stage.name, self.stopping(), self.progress
         self.ckpts.close()
-        D.barrier(dist)
+        distributed.barrier(dist)
         self.run.log.flush()
         if reason and reason.startswith("preempted"):
             self.run.say(f"{name}: {reason}; saved step {p.step}. Run the same command to resume.")
@@ -375,7 +375,7 @@ class StageLoop:
         if dist.is_main:
             write_bytes(self.run.stage_dir(name) / "done.json", json.dumps(
                 {"step": p.step, "metrics": p.metrics, "reason": reason or "finished", **p.times()}, indent=1))
-        D.barrier(dist)
+        distributed.barrier(dist)
         if reason:
             self.run.say(f"{name}: {reason}")
         return p.metrics
@@ -391,7 +391,7 @@ class Validator:
         self.stop_reason: Optional[str] = None
 
     def due(self, step: int) -> bool:
-        s, total = self.parts.s, self.progress.total
+        s, total = self.parts.scfg, self.progress.total
         every = total if s.eval_every < 0 else (s.eval_every or self.parts.steps_per_epoch)
         return step % every == 0 or step == total
 
@@ -421,7 +421,7 @@ class Validator:
         Returns the metrics (None: not due)."""
         if not self.due(step):
             return None
-        name, s, p, logger, info = self.stage.name, self.parts.s, self.progress, self.run.log, self.run.manifest.info
+        name, s, p, logger, info = self.stage.name, self.parts.scfg, self.progress, self.run.log, self.run.manifest.info
         t_eval = time.perf_counter()
         p.metrics, pics = self._evaluate()
         self.log.untimed(time.perf_counter() - t_eval)  # the next logged samples/s is of training steps only

@@ -36,7 +36,7 @@ from wm.evaluation.final_report import final_table, make_summary
 from wm.training import activations, memory_plan
 from wm.training.loop import Preempted, Preemption, fit
 from wm.training.stages import TokenizerStage, WorldStage, check_stages, step_seconds
-from wm.utils import distributed as D
+from wm.utils import distributed
 from wm.utils.atomic import write_bytes
 from wm.utils.errors import WMError, first_line
 
@@ -57,7 +57,7 @@ def amp_dtype(cfg: Config, device: torch.device) -> Optional[torch.dtype]:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[amp]
 
 
-def device_line(cfg: Config, dist: D.Dist, device: torch.device, dtype) -> str:
+def device_line(cfg: Config, dist: distributed.Dist, device: torch.device, dtype) -> str:
     """What trains and in which precision, for the log's first lines: '1 rank on cpu (2 threads), fp32
     (train.amp=auto: no AMX on this CPU)'."""
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -201,7 +201,7 @@ def main(argv=None, stop: Optional[Preemption] = None) -> int:
     stop = Preemption() if stop is None else stop
     if not args.eval_only:  # evaluation keeps the default Ctrl-C: nothing to save
         stop.install()
-    dist = D.init(cfg.train.device, cfg.ddp.timeout_s)
+    dist = distributed.init(cfg.train.device, cfg.ddp.timeout_s)
     broken, run, ended = False, None, None
     try:
         device = dist.device
@@ -261,4 +261,4 @@ def main(argv=None, stop: Optional[Preemption] = None) -> int:
             run.log.close()
             run.close()  # the lock goes last: nothing of this run is written after it
         if not broken:
-            D.close(dist)
+            distributed.close(dist)

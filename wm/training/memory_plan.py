@@ -39,7 +39,7 @@ from wm.data.synthetic.generate import default_workers, memory, scene_memory
 from wm.training.activations import CUDA_BLOCK, _model, batch_shapes, measured_step, nbytes, read_measured, token_map
 from wm.training.batching import stage_batch
 from wm.training.step_graph import use_graphs
-from wm.utils import distributed as D
+from wm.utils import distributed
 from wm.utils.errors import ConfigError, DataError, WMError
 
 GIB = 2**30
@@ -358,7 +358,7 @@ def check(cfg: Config, p: Plan, host: Optional[int] = None, device: Optional[int
     return warnings
 
 
-def start(cfg: Config, dist: D.Dist, device: torch.device, dtype, fresh: bool = False, say=print) -> Plan:
+def start(cfg: Config, dist: distributed.Dist, device: torch.device, dtype, fresh: bool = False, say=print) -> Plan:
     """train.py's check before anything runs: plan, say it (rank 0), warn, and refuse on every rank
     what does not fit any rank's machine."""
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
@@ -374,7 +374,7 @@ def start(cfg: Config, dist: D.Dist, device: torch.device, dtype, fresh: bool = 
             say(w)
     except ConfigError as e:
         refused = e
-    theirs = next((m for m in D.gather_objects(None if refused is None else str(refused), dist) if m), None)
+    theirs = next((m for m in distributed.gather_objects(None if refused is None else str(refused), dist) if m), None)
     if refused is not None:
         raise refused
     if theirs is not None:  # another rank's machine cannot hold it

@@ -19,7 +19,7 @@ from wm.checkpoint.files import load_checked, newest_valid, rng_state
 from wm.checkpoint.run_folder import Run, belongs
 from wm.config.loading import to_dict
 from wm.training.step_graph import plain_optimizer_state
-from wm.utils import distributed as D
+from wm.utils import distributed
 from wm.utils.atomic import require_space
 from wm.utils.errors import WMError
 
@@ -56,7 +56,7 @@ class StageCheckpoints:
     def __init__(self, run: Run, stage, parts, progress: Progress):
         cfg, self.dist = run.cfg, run.dist
         self.run, self.stage, self.parts, self.progress, self.every = run, stage, parts, progress, cfg.checkpoint.every
-        s = parts.s
+        s = parts.scfg
         self.ckpt = Checkpointer(run.stage_dir(stage.name) / "checkpoints", cfg.checkpoint.keep_last,
                                  s.best_metric, s.best_mode, cfg.checkpoint.async_save) if self.dist.is_main else None
         params = [p for g in parts.opt.param_groups for p in g["params"]]
@@ -80,7 +80,7 @@ class StageCheckpoints:
                 found = newest_valid(self.ckpt.folder, say=self.run.say, check=self.check)
             except WMError as e:
                 failure = str(e)
-        path, failure = D.broadcast_object((str(found[0]) if found else None, failure), self.dist)
+        path, failure = distributed.broadcast_object((str(found[0]) if found else None, failure), self.dist)
         if failure:
             raise WMError(failure)
         if not path:
@@ -96,10 +96,10 @@ class StageCheckpoints:
         """A checkpoint of this step (rank 0 writes; every rank takes part: RNG states are gathered).
         A state with NaN or inf is never saved nor called good: one reduction on the device."""
         dist, model, opt, name, p = self.dist, self.parts.model, self.parts.opt, self.stage.name, self.progress
-        rng = D.gather_objects(rng_state(), dist)  # every rank reaches these collectives
+        rng = distributed.gather_objects(rng_state(), dist)  # every rank reaches these collectives
         ok = all_finite([*model.state_dict().values(), *(t for v in opt.state.values() for t in v.values()
                                                            if torch.is_tensor(t))]).float()
-        D.all_reduce_(ok, dist, op="min")
+        distributed.all_reduce_(ok, dist, op="min")
         if not ok:
             bad = first_nonfinite({"model": model.state_dict(), "optimizer": opt.state_dict()}, names=self.names)
             raise WMError(f"{name}: the state at step {p.step} holds non-finite values (first: {bad}); it was "

@@ -33,7 +33,7 @@ from wm.models.world import WorldModel
 from wm.training.batching import batches_per_rank, planned_steps, stage_batch
 from wm.training.token_cache import CELL_MASK, build_token_cache
 from wm.training.wrappers import compiles, unwrap
-from wm.utils import distributed as D
+from wm.utils import distributed
 from wm.utils.atomic import fsync_dir
 from wm.utils.errors import ConfigError, DataError, WMError
 
@@ -119,7 +119,7 @@ class Stage:
     def samples(self, batch: dict) -> int:
         raise NotImplementedError
 
-    def evaluate(self, model: nn.Module, dist: D.Dist, dtype, device) -> tuple[dict, list]:
+    def evaluate(self, model: nn.Module, dist: distributed.Dist, dtype, device) -> tuple[dict, list]:
         """The validation metrics, and the pictures to log: (tag, frames, labels)."""
         raise NotImplementedError
 
@@ -127,7 +127,7 @@ class Stage:
         """The host batch as the step trains on it."""
         return batch
 
-    def after_step(self, model: nn.Module, dist: D.Dist, skipped: torch.Tensor) -> None:
+    def after_step(self, model: nn.Module, dist: distributed.Dist, skipped: torch.Tensor) -> None:
         """What follows an optimizer step (`skipped`: a bool on the device, the step updated nothing)."""
 
     def inductor_options(self) -> dict:
@@ -181,7 +181,7 @@ class TokenizerStage(Stage):
     def samples(self, batch: dict) -> int:
         return batch["occ"].shape[0]
 
-    def after_step(self, model: nn.Module, dist: D.Dist, skipped: torch.Tensor) -> None:
+    def after_step(self, model: nn.Module, dist: distributed.Dist, skipped: torch.Tensor) -> None:
         """Dead-code reset: rank 0 decides from its encoder outputs, every rank gets its codebook
         (DDP does not sync in-place parameter edits). Not after a skipped step (`skipped`, a bool on
         the device): its encoder outputs may be non-finite. A code's age is the youngest rank's (each
@@ -190,7 +190,7 @@ class TokenizerStage(Stage):
         if not m.quantizer.codebook.weight.requires_grad:  # a frozen codebook (tokenizer_stage.freeze) stays as loaded
             return
         if dist.active and m.quantizer.dead_code_steps > 0:
-            D.all_reduce_(m.quantizer.code_age, dist, op="min")
+            distributed.all_reduce_(m.quantizer.code_age, dist, op="min")
         if dist.is_main:
             m.reset_dead_codes(skip=skipped)
         if dist.active:
@@ -198,7 +198,7 @@ class TokenizerStage(Stage):
             torch.distributed.broadcast(m.quantizer.code_age, 0)
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, dist: D.Dist, dtype, device) -> tuple[dict, list]:
+    def evaluate(self, model: nn.Module, dist: distributed.Dist, dtype, device) -> tuple[dict, list]:
         cfg = self.cfg
         batches = eval_batches(self.val_ds, dist, self.scfg.batch_size or cfg.data.batch_size,
                                cfg.loader.num_workers, cfg.loader.pin_memory, "tokenizer validation", self.run.say)
@@ -221,13 +221,13 @@ class WorldStage(Stage):
         if "tokenizer" not in cfg.train.stages:  # init.from's tokenizer, as it is, becomes this run's
             torch.manual_seed(cfg.run.seed)
             init_from.adopt_tokenizer(run, Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid)))
-        tok_ckpt, st = tokenizer_checkpoint(run)
+        tok_ckpt, ckpt_state = tokenizer_checkpoint(run)
         self.tok_path, self.tok_sha = tok_ckpt, sha256_file(tok_ckpt)
         self.built_on = self.tok_sha
         retire_stale_world(run, tok_ckpt, self.tok_sha)
         self.tokenizer = Tokenizer(cfg.tokenizer, cfg.data.num_classes, tuple(cfg.data.grid),
                                    **model_options(cfg, "tokenizer"))
-        self.tokenizer.load_state_dict(st["model"])
+        self.tokenizer.load_state_dict(ckpt_state["model"])
         self.tokenizer.eval().requires_grad_(False).to(device)
         run.say(f"world stage: frozen tokenizer {tok_ckpt} (sha256 {self.tok_sha[:12]})")
         cache = cfg.loader.h5_cache_mib
@@ -279,7 +279,7 @@ class WorldStage(Stage):
         return {"tokenizer": {"path": str(self.tok_path), "sha256": self.tok_sha}}
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, dist: D.Dist, dtype, device) -> tuple[dict, list]:
+    def evaluate(self, model: nn.Module, dist: distributed.Dist, dtype, device) -> tuple[dict, list]:
         """Roll out the future from the past frames' codes, decode, and score against the real
         occupancy per future step; the copy-last baseline on the same windows beside it."""
 
@@ -374,7 +374,7 @@ def retire_stale_world(run: Run, tok: Path, sha: str) -> None:
             if (read_json(pointer) or {}).get("file") in {p.name for p, _ in strays}:  # it named a moved file
                 _point_at_own(pointer, [p for p, s in own if s == sha])
             fsync_dir(folder / "checkpoints")
-    failure = D.broadcast_object(error, run.dist)
+    failure = distributed.broadcast_object(error, run.dist)
     if failure:
         raise WMError(failure)
 
@@ -387,16 +387,16 @@ def world_checkpoints(run: Run, folder: Path, sha: str) -> list[tuple[Path, Opti
     ident, full, out = belongs(run, "world"), belongs(run, "world", sha), []
     for p in reversed(list_checkpoints(folder)):
         try:
-            st = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+            ckpt_state = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
         except Exception:
             continue
-        if not isinstance(st, dict):
+        if not isinstance(ckpt_state, dict):
             continue
-        tok = st.get("tokenizer")
+        tok = ckpt_state.get("tokenizer")
         got = tok.get("sha256") if isinstance(tok, dict) and isinstance(tok.get("sha256"), str) else None
-        why = (f"is a {st.get('stage')!s:.20} checkpoint" if st.get("stage") != "world" else None) or ident(st) or (
+        why = (f"is a {ckpt_state.get('stage')!s:.20} checkpoint" if ckpt_state.get("stage") != "world" else None) or ident(ckpt_state) or (
             None if got else "names no tokenizer it was trained on")
-        out.append((p, got, why, why or full(st) or ""))
+        out.append((p, got, why, why or full(ckpt_state) or ""))
     return out
 
 

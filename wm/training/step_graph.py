@@ -30,7 +30,7 @@ from torch import nn
 
 from wm.config.runtime import GRAPH_MODES
 from wm.training.step_outcome import HostCopy, StepResult, step_unless
-from wm.utils import distributed as D
+from wm.utils import distributed
 from wm.utils.errors import WMError
 from wm.utils.precision import autocast
 
@@ -49,10 +49,10 @@ def set_lr(group: dict, value: float) -> None:
 def plain_optimizer_state(opt: torch.optim.Optimizer) -> dict:
     """opt.state_dict() with each group's lr a float and `capturable` off: a checkpoint that any run
     loads, captured or not, on a GPU or a CPU (a captured run makes them device tensors again)."""
-    st = opt.state_dict()
-    st["param_groups"] = [{**g, "lr": float(g["lr"]), **({"capturable": False} if "capturable" in g else {})}
-                          for g in st["param_groups"]]
-    return st
+    opt_state = opt.state_dict()
+    opt_state["param_groups"] = [{**g, "lr": float(g["lr"]), **({"capturable": False} if "capturable" in g else {})}
+                          for g in opt_state["param_groups"]]
+    return opt_state
 
 
 def use_graphs(cfg, device: torch.device, dtype, say=print) -> bool:
@@ -77,9 +77,9 @@ class GraphedStep:
     """Callable like wm.training.loop.train_step (`step(next_batch, stop) -> StepResult`), captured on CUDA.
     `fwd`: what the forward goes through (the model, or torch.compile of it; no DDP wrapper)."""
 
-    def __init__(self, stage, model: nn.Module, opt: torch.optim.Optimizer, s, device: torch.device, dtype,
-                 dist: D.Dist, fwd: nn.Module, grad_dtype: str = "fp32", capture: bool = True, say=print):
-        self.stage, self.model, self.opt, self.s, self.device, self.dtype, self.dist = stage, model, opt, s, device, dtype, dist
+    def __init__(self, stage, model: nn.Module, opt: torch.optim.Optimizer, scfg, device: torch.device, dtype,
+                 dist: distributed.Dist, fwd: nn.Module, grad_dtype: str = "fp32", capture: bool = True, say=print):
+        self.stage, self.model, self.opt, self.scfg, self.device, self.dtype, self.dist = stage, model, opt, scfg, device, dtype, dist
         self.fwd, self.grad_dtype, self.say = fwd, grad_dtype, say
         self.capture = capture and device.type == "cuda"
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -129,13 +129,13 @@ class GraphedStep:
     def _reduce(self) -> None:
         if self.grad_dtype == "bf16":  # half the bytes on the wire, as ddp.grad_dtype=bf16 under DDP
             wire = self.flat.to(torch.bfloat16)
-            D.all_reduce_(wire, self.dist)
+            distributed.all_reduce_(wire, self.dist)
             self.flat.copy_(wire)
         else:
-            D.all_reduce_(self.flat, self.dist)
+            distributed.all_reduce_(self.flat, self.dist)
 
     def _update(self) -> None:
-        clip = self.s.clip if self.s.clip > 0 else float("inf")
+        clip = self.scfg.clip if self.scfg.clip > 0 else float("inf")
         gnorm = torch.nn.utils.clip_grad_norm_(self.params, clip)
         bad = (self.tail[0] > 0) | ~torch.isfinite(gnorm)
         self.flags = torch.stack([bad.float(), (self.tail[1] > 0).float()])
@@ -189,8 +189,8 @@ class GraphedStep:
     def _load(self, next_batch) -> float:
         """The step's micro-batches into the static buffers; returns the host's wait (s)."""
         t0 = time.perf_counter()
-        host = [self.stage.prepare(next_batch()) if hasattr(self.stage, "prepare") else next_batch()
-                for _ in range(self.s.grad_accum)]
+        host = [self.stage.prepare(next_batch())
+                for _ in range(self.scfg.grad_accum)]
         if self.static is None:
             self.static = [{k: torch.empty(v.shape, dtype=v.dtype, device=self.device) for k, v in b.items()}
                            for b in host]

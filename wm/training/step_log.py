@@ -14,7 +14,7 @@ from wm.training import compile_cache
 from wm.training.memory_plan import first_step_line, memory_scalars
 from wm.training.optim import lr_factor
 from wm.training.step_outcome import StepResult
-from wm.utils import distributed as D
+from wm.utils import distributed
 from wm.utils.atomic import write_bytes
 from wm.utils.logs import eta
 
@@ -98,9 +98,9 @@ class StepLog:
         """The step's losses (averaged over ranks), learning rate, gradient norm and speed, when due."""
         if not self.due(step):
             return
-        cfg, dist, s, total = self.cfg, self.dist, self.parts.s, self.progress.total
+        cfg, dist, s, total = self.cfg, self.dist, self.parts.scfg, self.progress.total
         dt = time.perf_counter() - self.t_last
-        vals = D.mean_scalars({k: float(v) for k, v in r.terms.items()}, dist)
+        vals = distributed.mean_scalars({k: float(v) for k, v in r.terms.items()}, dist)
         rec = {f"loss/{k}" if k in LOSS_TERMS else f"train/{k}": v for k, v in vals.items()}
         rec.update({"train/lr": s.lr * lr_factor(step - 1, total, s),  # the base rate (lr_mult 1)
                     "train/grad_norm": float(r.grad_norm),

@@ -19,7 +19,7 @@ from wm.checkpoint.run_folder import Run
 from wm.data.windows import OccWindows, ignore_stop_signals, start_workers
 from wm.evaluation.evaluate import frames_config
 from wm.models.tokenizer import Tokenizer
-from wm.utils import distributed as D
+from wm.utils import distributed
 from wm.utils.atomic import clean_temps, write_bytes
 from wm.utils.errors import WMError, first_line
 from wm.utils.precision import autocast
@@ -81,7 +81,7 @@ def build_token_cache(run: Run, tok: Tokenizer, tok_sha: str, device, dtype) -> 
         write_token_cache(folder, out, {"tokenizer_sha256": tok_sha, "data_fingerprint": run.fingerprint,
                                         "split": cfg.data.train_split, "frames": frames.num_frames}, cells)
         run.say(f"token cache written: {path}")
-    D.barrier(dist)
+    distributed.barrier(dist)
     return path
 
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from wm.config.sections import Config
 from wm.training import compile_cache
-from wm.utils import distributed as D
+from wm.utils import distributed
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -24,7 +24,7 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def wrap_ddp(model: nn.Module, cfg: Config, device: torch.device, dist: D.Dist) -> nn.Module:
+def wrap_ddp(model: nn.Module, cfg: Config, device: torch.device, dist: distributed.Dist) -> nn.Module:
     """The model under DistributedDataParallel when there is more than one rank, else the model.
     Gradients are views into DDP's buckets (no copy in or out of them); bucket size and wire dtype
     from ddp.bucket_mib / ddp.grad_dtype."""

@@ -171,7 +171,7 @@ def _knots(rng: np.random.Generator, xs: np.ndarray, lo: float, hi: float, every
     return np.interp(xs / every, np.arange(len(k)), k)
 
 
-def _apron(rng: np.random.Generator, length: float, vox: tuple, Z: int, base: float, st: tuple,
+def _apron(rng: np.random.Generator, length: float, vox: tuple, Z: int, base: float, spacing: tuple,
            focus: float) -> _Apron:
     """Lay out one apron: the stepped facade with gaps, the stands (one at least with an aircraft on
     the move, near x = focus), the ground's height and classes, the painted lines, and the static
@@ -217,7 +217,7 @@ def _apron(rng: np.random.Generator, length: float, vox: tuple, Z: int, base: fl
     _markings(ap)
     for s, t in zip(ap.stands, ap.stands[1:]):  # grass islands at the far end between stands
         ap.ground[ap.row(s["x"] + 21):ap.row(t["x"] - 21), ys < -28] = A["grass"]
-    _structures(rng, ap, st)
+    _structures(rng, ap, spacing)
     cell = np.take_along_axis(ap.occ, ap.gl[..., None], 2)[..., 0]
     put = seen & (cell == AIRSIDE_FREE)
     np.put_along_axis(ap.occ, ap.gl[..., None], np.where(put, ap.ground, cell)[..., None], 2)
@@ -246,7 +246,7 @@ def _markings(ap: _Apron) -> None:
                 ap.paint(x + 15, y, x + 18, y)
 
 
-def _structures(rng: np.random.Generator, ap: _Apron, st: tuple) -> None:
+def _structures(rng: np.random.Generator, ap: _Apron, spacing: tuple) -> None:
     """The facade (a wall one voxel thick, its steps and ends included), rotundas and jet bridges,
     light masts, cones, ground power units and container rows."""
     face, Z = ap.face, ap.Z
@@ -261,15 +261,15 @@ def _structures(rng: np.random.Generator, ap: _Apron, st: tuple) -> None:
                     js = range(ap.col(face[i]), ap.col(other) + 1)
         for j in js:
             ap.occ[i, j, zl > ap.gl[i, j]] = A["terminal"]
-    box = shapes.box(0.5, 0.5, 9.0, st)
+    box = shapes.box(0.5, 0.5, 9.0, spacing)
     for s in ap.stands:
         x, R = s["x"], s["R"]
         if s["contact"]:  # rotunda on its pillar, the bridge over the road, its drive column
             xr, yr = s["xr"], face[ap.row(s["xr"])] - 2.6
-            ring = shapes.tube(2.6, 7.5, 2.0, 0.0, st[::-1])[:, [1, 2, 0]] + [xr, yr, 0]  # a tube stood upright
-            disc = shapes.quad((xr - 2, yr - 2, 2.6), (4, 0, 0), (0, 4, 0), st)
+            ring = shapes.tube(2.6, 7.5, 2.0, 0.0, spacing[::-1])[:, [1, 2, 0]] + [xr, yr, 0]  # a tube stood upright
+            disc = shapes.quad((xr - 2, yr - 2, 2.6), (4, 0, 0), (0, 4, 0), spacing)
             disc = disc[np.hypot(disc[:, 0] - xr, disc[:, 1] - yr) <= 2.0]
-            ap.stamp(np.concatenate([ring, disc, shapes.box(0.8, 0.8, 2.6, st, xr, yr)]), A["jet_bridge"])
+            ap.stamp(np.concatenate([ring, disc, shapes.box(0.8, 0.8, 2.6, spacing, xr, yr)]), A["jet_bridge"])
             docked = s["state"] == "parked"
             end = np.array([x - R - 1.6, s["yn"] - 5.0]) if docked else np.array([xr + 1.5, -8.5])
             start = np.array([xr, yr - 2.0])
@@ -277,21 +277,21 @@ def _structures(rng: np.random.Generator, ap: _Apron, st: tuple) -> None:
             n = np.array([-u[1], u[0]]) / np.hypot(*u)
             zf = rng.uniform(2.8, 3.15)  # a door sill of 2.8-3.2 m
             bw, bh = 2.5, 2.9  # the tunnel's outer width and height
-            tube = [shapes.quad((*(start - bw / 2 * n), zf), (*u, 0), (*(bw * n), 0), st),
-                    shapes.quad((*(start - bw / 2 * n), zf + bh), (*u, 0), (*(bw * n), 0), st)]
+            tube = [shapes.quad((*(start - bw / 2 * n), zf), (*u, 0), (*(bw * n), 0), spacing),
+                    shapes.quad((*(start - bw / 2 * n), zf + bh), (*u, 0), (*(bw * n), 0), spacing)]
             for side in (-bw / 2, bw / 2):
-                tube.append(shapes.quad((*(start + side * n), zf), (*u, 0), (0, 0, bh), st))
+                tube.append(shapes.quad((*(start + side * n), zf), (*u, 0), (0, 0, bh), spacing))
             h = np.arctan2(u[1], u[0])
-            tube.append(_place(shapes.box(3.0, 3.4, 3.0, st, z0=zf - 0.1, floor=True), *end, h))
+            tube.append(_place(shapes.box(3.0, 3.4, 3.0, spacing, z0=zf - 0.1, floor=True), *end, h))
             col = end - 2.5 * u / np.hypot(*u)
             for side in (-0.9, 0.9):
-                tube.append(shapes.quad((*(col + side * n), 0), (0, 0, 0), (0, 0, zf), st))
-            tube.append(_place(shapes.box(1.2, 2.6, 0.9, st), *col, h))
+                tube.append(shapes.quad((*(col + side * n), 0), (0, 0, 0), (0, 0, zf), spacing))
+            tube.append(_place(shapes.box(1.2, 2.6, 0.9, spacing), *col, h))
             ap.stamp(np.concatenate(tube), A["jet_bridge"])
         if rng.random() < 0.8:  # a light mast at the stand's boundary
             ap.stamp(box + [x + 22.5 + rng.uniform(-1, 1), rng.uniform(-36, -26), 0], A["light_mast"])
         if s["state"] == "parked":  # cones at the nose, the wing tips, the engines and the tail
-            cone = shapes.box(0.4, 0.4, 0.7, st)
+            cone = shapes.box(0.4, 0.4, 0.7, spacing)
             yc, L, S = s["yc"], s["L"], s["S"]
             spots = [(x, s["yn"] + 1.5), (x - S / 2 - 1, yc - 0.02 * L), (x + S / 2 + 1, yc - 0.02 * L),
                      (x - 0.16 * S, yc + 0.12 * L), (x + 0.16 * S, yc + 0.12 * L), (x, yc - L / 2 - 1.5)]
@@ -299,11 +299,11 @@ def _structures(rng: np.random.Generator, ap: _Apron, st: tuple) -> None:
                 if rng.random() < 0.8:
                     ap.stamp(cone + [cx, cy, 0], A["traffic_cone"])
             if s["contact"]:  # a ground power unit by the nose
-                ap.stamp(shapes.box(1.8, 1.1, 1.4, st, x + 3.2, s["yn"] - 1.5), A["others"])
+                ap.stamp(shapes.box(1.8, 1.1, 1.4, spacing, x + 3.2, s["yn"] - 1.5), A["others"])
         if rng.random() < 0.5:  # a row of baggage containers in the equipment area
             x0, y0 = x + 20 + rng.uniform(-0.5, 0.5), rng.uniform(-20, -12)
             for k in range(int(rng.integers(2, 6))):
-                ap.stamp(shapes.box(1.6, 1.5, 1.6, st, x0, y0 - 1.8 * k), A["others"])
+                ap.stamp(shapes.box(1.6, 1.5, 1.6, spacing, x0, y0 - 1.8 * k), A["others"])
 
 
 # ----------------------------------------------------------------------------------------- traffic
@@ -313,8 +313,8 @@ class _Agents:
     """What moves or could: (class, body points, x (T,), y (T,), heading (T,), group, length, width);
     a group (a train, an aircraft and its tug) is kept or dropped as one."""
 
-    def __init__(self, n: int, st: tuple):
-        self.n, self.st, self.items, self.groups = n, st, [], 0
+    def __init__(self, n: int, spacing: tuple):
+        self.n, self.st, self.items, self.groups = n, spacing, [], 0
 
     def group(self) -> int:
         self.groups += 1
@@ -539,15 +539,15 @@ def make_scene(seed: int, index: int, grid: tuple[int, int, int], frames: int, w
     """One scene: dict(name, occ uint8 (T,X,Y,Z), pose float64 (T,4,4), timestamp int64 (T,), mask)."""
     X, Y, Z = grid
     vox = (80.0 / X, 80.0 / Y, 6.4 / Z)
-    st = (min(vox[:2]) / 2, min(vox[:2]) / 2, vox[2] / 2)  # surface points at most half a voxel apart
+    spacing = (min(vox[:2]) / 2, min(vox[:2]) / 2, vox[2] / 2)  # surface points at most half a voxel apart
     rng = np.random.default_rng([seed, split_id, index])
     ex, ey = _ego(rng, frames)
     # the road's height over the grid's floor, 0.30-0.37 m, spread over every 4 consecutive scenes:
     # the apron then lies in the lowest 0.8 m and, at 0.4 m levels, in the two lowest (as Occ3D's
     # ground does: the bands allow little ground on the second level)
     base = 0.30 + 0.07 * (index % 4 + rng.uniform()) / 4
-    ap = _apron(rng, ex[-1] + 50.0, vox, Z, base, st, focus=float(ex[frames // 2]))
-    ag = _Agents(frames, st)
+    ap = _apron(rng, ex[-1] + 50.0, vox, Z, base, spacing, focus=float(ex[frames // 2]))
+    ag = _Agents(frames, spacing)
     for s in ap.stands:
         _stand(rng, ag, s, DT * min(frames - 1, int(np.searchsorted(ex, s["x"]))))
     _traffic(rng, ag, ap)
