@@ -314,7 +314,7 @@ class _Agents:
     a group (a train, an aircraft and its tug) is kept or dropped as one."""
 
     def __init__(self, n: int, spacing: tuple):
-        self.n, self.st, self.items, self.groups = n, spacing, [], 0
+        self.n, self.spacing, self.items, self.groups = n, spacing, [], 0
 
     def group(self) -> int:
         self.groups += 1
@@ -324,9 +324,9 @@ class _Agents:
         """An agent of `kind` (or the aircraft of stand `plane`) at poses x, y, h (arrays or numbers)."""
         if plane:
             cls, l, w = A["aircraft"], plane["L"], plane["S"]
-            pts = shapes.aircraft(round(plane["L"], 1), round(plane["S"], 1), round(plane["D"], 2), self.st)
+            pts = shapes.aircraft(round(plane["L"], 1), round(plane["S"], 1), round(plane["D"], 2), self.spacing)
         else:
-            (name, l, w), pts = KIND[kind], shapes.shape(kind, self.st, raised)
+            (name, l, w), pts = KIND[kind], shapes.shape(kind, self.spacing, raised)
             cls = A[name]
         full = [np.broadcast_to(np.asarray(v, np.float64), (self.n,)).copy() for v in (x, y, h)]
         self.items.append((cls, pts, *full, self.group() if g is None else g, l, w))
