@@ -1,8 +1,10 @@
-"""The training precision as a context: autocast to a dtype on a device, or nothing for fp32."""
+"""Precision: autocast to a dtype on a device (or nothing for fp32), and an inference copy of a model
+with its matmul weights already in that dtype."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Optional
 
 import torch
@@ -29,8 +31,6 @@ def cast_for_inference(module: torch.nn.Module, dtype: Optional[torch.dtype]) ->
     norms and embeddings left in float32 as autocast computes them."""
     if dtype is None:
         return module
-    import copy
-
     out = copy.deepcopy(module)
     for m in out.modules():
         if isinstance(m, _MATMUL_LAYERS):
