@@ -265,7 +265,8 @@ class Forecaster:
         key = (B, P, S, fut is not None)
         if key not in self._packages:
             path = find_package(self.aoti_dir, self.device, B, P, S, self.dtype, given=fut is not None)
-            self._packages[key], self.package_load_s[key] = load_package(path, self.device, self.checkpoint)
+            self._packages[key], self.package_load_s[key] = load_package(path, self.device, self.checkpoint,
+                                                                         graph=self.cuda_graph)
             self.say(f"AOTInductor package {path.name}: loaded in {self.package_load_s[key]:.2f} s")
         return self._packages[key]
 

@@ -133,9 +133,11 @@ def find_package(folder: Path, device: torch.device, batch: int, past: int, step
                   "on this kind of machine")
 
 
-def load_package(path: Path, device: torch.device, checkpoint: Optional[Path] = None):
+def load_package(path: Path, device: torch.device, checkpoint: Optional[Path] = None, graph: bool = False):
     """(callable, seconds to load) of a package, checked against its record: its sha256, the
-    machine it was compiled for, and (given) the world-model checkpoint it was built from."""
+    machine it was compiled for, and (given) the world-model checkpoint it was built from.
+    `graph`: the call is recorded into a CUDA graph, so the runner must not wait on its own events
+    (which a capturing stream forbids)."""
     path = Path(path)
     meta_path = path.with_name(path.name + ".json")
     try:
@@ -156,5 +158,5 @@ def load_package(path: Path, device: torch.device, checkpoint: Optional[Path] = 
         raise WMError(f"AOTInductor package {path} was built from {meta.get('checkpoint')}, not {checkpoint}; "
                       "rebuild it with export.py --aoti")
     t0 = time.perf_counter()
-    runner = torch._inductor.aoti_load_package(str(path))
+    runner = torch._inductor.aoti_load_package(str(path), run_single_threaded=graph)
     return runner, time.perf_counter() - t0

@@ -2,8 +2,8 @@
 fake tensors (FakeTensorMode: shapes, dtypes and strides, no memory, no arithmetic) on the training
 device, under its autocast and with its kernels, while a dispatch mode adds up the storages ops
 create and subtracts them when they are freed. In fp32 on a CPU the meta device does the same 3-5x
-faster (its attention is the math path's: an upper bound). The figure is eager mode's; a
-torch.compile'd step usually keeps fewer tensors. Validation (no gradients) is not in it.
+faster (its attention is the math path's: an upper bound). A torch.compile'd step keeps fewer
+tensors: wm.training.compiled_activations measures that one. Validation (no gradients) is not in it.
 
 What was measured is kept in the run folder (`memory_plan.json`, keyed by the whole config, the
 device kind, the precision and torch's version), so a resume reads it instead of tracing again.
@@ -12,10 +12,10 @@ device kind, the precision and torch's version), so a resume reads it instead of
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
-import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -29,12 +29,12 @@ from wm.config.loading import to_dict
 from wm.config.sections import Config, model_options
 from wm.models.tokenizer import Tokenizer
 from wm.models.world import WorldModel
+from wm.training.compiled_activations import CountingFakeMode, compiled_peak
+from wm.training.storage_count import StorageCount
 from wm.utils.atomic import write_bytes
 from wm.utils.precision import autocast
 
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to this
-
-
 
 
 class PeakBytes(TorchDispatchMode):
@@ -45,25 +45,11 @@ class PeakBytes(TorchDispatchMode):
 
     def __init__(self, known=(), block: int = 1):
         super().__init__()
-        self.block, self.live, self.peak = block, 0, 0
-        self.known = {t.untyped_storage()._cdata for t in known}
-        self.refs: dict[int, weakref.ref] = {}  # storage -> a reference whose callback frees its bytes
+        self.storages = StorageCount(known, block)
 
-    def _free(self, key: int, n: int) -> None:
-        self.live -= n
-        self.refs.pop(key, None)
-
-    def _count(self, t) -> None:
-        if not isinstance(t, torch.Tensor):
-            return
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key in self.known or key in self.refs:
-            return
-        n = -(-storage.nbytes() // self.block) * self.block
-        self.refs[key] = weakref.ref(storage, lambda _, key=key, n=n: self._free(key, n))
-        self.live += n
-        self.peak = max(self.peak, self.live)
+    @property
+    def peak(self) -> int:
+        return self.storages.peak
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -72,7 +58,7 @@ class PeakBytes(TorchDispatchMode):
         except (DynamicOutputShapeException, NotImplementedError):  # value-dependent sizes; meta has no bincount
             out = _largest(func, args, kwargs)
         for t in (out if isinstance(out, (tuple, list)) else [out]):
-            self._count(t)
+            self.storages.add(t)
         return out
 
 
@@ -84,6 +70,8 @@ def _largest(func, args, kwargs):
         if n:  # the callers' ids lie below minlength
             w = kwargs.get("weights", args[1] if len(args) > 1 else None)
             return torch.zeros(n, dtype=torch.int64 if w is None else w.dtype, device=x.device)
+    if func is torch.ops.aten.nonzero.default:  # at most every element
+        return torch.empty(x.numel(), x.dim(), dtype=torch.int64, device=x.device)
     if func is torch.ops.aten.index.Tensor:  # a boolean mask selects at most all it covers
         shape, dim = [], 0
         for i in args[1]:
@@ -157,7 +145,7 @@ def nbytes(shapes: dict) -> int:
     return sum(math.prod(s) * torch.empty((), dtype=dt).element_size() for s, dt in shapes.values())
 
 
-def _loss(name: str, model: nn.Module, b: dict) -> dict:
+def _loss(name: str, model, b: dict) -> dict:
     # as TokenizerStage.loss and WorldStage.loss call the models
     if name == "tokenizer":
         return model(b["occ"][:, 0], mask=b["mask"][:, 0] if "mask" in b else None, logits=False)
@@ -166,21 +154,26 @@ def _loss(name: str, model: nn.Module, b: dict) -> dict:
 
 
 def measure_step(cfg: Config, name: str, micro: int, device: torch.device, dtype,
-                 every: Optional[int] = None) -> int:
+                 every: Optional[int] = None, compiled: bool = False) -> int:
     """Peak bytes that one forward and backward of stage `name` at `micro` samples on `device`
-    under `dtype` autocast holds beyond the weights, gradients, optimizer state and batch."""
+    under `dtype` autocast holds beyond the weights, gradients, optimizer state and batch;
+    `compiled`: as torch.compile runs it (wm.training.compiled_activations)."""
     model = _model(cfg, name, every)
-    # autocast and CUDA's kernels need fake tensors of the device; fp32 on a CPU runs on the meta device
-    fake = device.type != "cpu" or dtype is not None
+    # autocast, CUDA's kernels and Dynamo need fake tensors of the device; fp32 eager on a CPU runs on meta
+    fake = device.type != "cpu" or dtype is not None or compiled
     on = device if fake else torch.device("meta")
-    with torch.random.fork_rng(devices=[]), FakeTensorMode() if fake else contextlib.nullcontext():
+    block = CUDA_BLOCK if device.type == "cuda" else 1
+    mode = CountingFakeMode(_largest, block) if compiled else FakeTensorMode() if fake else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=[]), mode:
         model = (_fake(model, device) if fake else model).train()
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:  # held throughout, as the captured step's flat buffer and accumulation hold them
             p.grad = torch.zeros_like(p)
         batch = {k: torch.zeros(shape, dtype=dt, device=on) for k, (shape, dt) in batch_shapes(cfg, name, micro).items()}
         held = [*model.parameters(), *model.buffers(), *(p.grad for p in params), *batch.values()]
-        with PeakBytes(held, CUDA_BLOCK if device.type == "cuda" else 1) as peak:
+        if compiled:
+            return compiled_peak(model, functools.partial(_loss, name), batch, held, mode, device, dtype)
+        with PeakBytes(held, block) as peak:
             with autocast(device, dtype):
                 out = _loss(name, model, batch)
             out["loss"].backward()
@@ -193,19 +186,20 @@ MEASURED = "memory_plan.json"
 _measured: dict[str, int] = {}
 
 
-def _step_key(cfg: Config, name: str, micro: int, device: torch.device, dtype, every: Optional[int]) -> str:
+def _step_key(cfg: Config, name: str, micro: int, device: torch.device, dtype, every: Optional[int],
+              compiled: bool) -> str:
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     what = {"cfg": to_dict(cfg), "stage": name, "micro": micro, "device": dev, "dtype": str(dtype),
-            "every": every, "torch": torch.__version__}
+            "every": every, "torch": torch.__version__, **({"compiled": True} if compiled else {})}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
 def measured_step(cfg: Config, name: str, micro: int, device: torch.device, dtype,
-                  every: Optional[int] = None) -> int:
+                  every: Optional[int] = None, compiled: bool = False) -> int:
     """measure_step, read from what this run measured before where it can."""
-    key = _step_key(cfg, name, micro, device, dtype, every)
+    key = _step_key(cfg, name, micro, device, dtype, every, compiled)
     if key not in _measured:
-        _measured[key] = measure_step(cfg, name, micro, device, dtype, every)
+        _measured[key] = measure_step(cfg, name, micro, device, dtype, every, compiled)
     return _measured[key]
 
 

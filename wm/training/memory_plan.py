@@ -13,8 +13,8 @@ take, checked against this machine before the data is generated, a model compile
   their pinned copies, one being collated per worker), the token cache while it is built, and on a
   CPU everything above (the device is the host).
 
-Activations are measured on fake tensors (wm.training.activations): eager mode's figure; a torch.compile'd
-step usually keeps fewer tensors.
+Activations are measured on fake tensors (wm.training.activations), as the stage runs them: eagerly,
+or torch.compile'd where compile.enable says it compiles (wm.training.compiled_activations).
 
     from wm.training.memory_plan import device_gib
     device_gib("configs/occworld.json")          # {'tokenizer': ..., 'world': ...} GiB per rank on CUDA
@@ -39,6 +39,7 @@ from wm.data.synthetic.generate import default_workers, memory, scene_memory
 from wm.training.activations import CUDA_BLOCK, _model, batch_shapes, measured_step, nbytes, read_measured, token_map
 from wm.training.batching import stage_batch
 from wm.training.step_graph import use_graphs
+from wm.training.wrappers import compiles
 from wm.utils import distributed
 from wm.utils.errors import ConfigError, DataError, WMError
 
@@ -73,6 +74,7 @@ class StagePlan:
     disk: int  # checkpoints (and the token cache) in the run folder
     error: str = ""
     heap: float = 1.0  # resident bytes per byte of activations (CPU_HEAP on a CPU)
+    compiled: bool = False  # the activations are a torch.compile'd step's
 
     @property
     def state(self) -> int:
@@ -199,9 +201,11 @@ def stage_plan(cfg: Config, name: str, world_size: int, device: torch.device, dt
     optimizer = 2 * grads + sum(p.requires_grad for p in model.parameters()) * (block if device.type == "cuda" else 4)
     act = alt = None
     error = ""
+    # a stage of max_steps below compile.min_steps trains eagerly; one of epochs is taken to compile
+    compiled = compiles(cfg, device, getattr(cfg, f"{name}_stage").max_steps or None)
     try:
-        act = measured_step(cfg, name, b.micro, device, dtype)
-        alt = measured_step(cfg, name, b.micro, device, dtype, every=0 if every else 1)
+        act = measured_step(cfg, name, b.micro, device, dtype, compiled=compiled)
+        alt = measured_step(cfg, name, b.micro, device, dtype, every=0 if every else 1, compiled=compiled)
     except Exception as e:  # noqa: BLE001 - an op fake tensors cannot run leaves out the figure, not the run
         error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
     captured = device.type == "cuda" and use_graphs(cfg, device, dtype, say=lambda *a, **k: None)
@@ -212,7 +216,7 @@ def stage_plan(cfg: Config, name: str, world_size: int, device: torch.device, dt
         h, w = cfg.data.grid[0] // cfg.tokenizer.downsample, cfg.data.grid[1] // cfg.tokenizer.downsample
         disk += frames * h * w * (3 if cfg.data.use_mask else 2)
     return StagePlan(name, b.micro, b.accum, weights, grads, optimizer, act, alt, 0 if every else 1, batch, frozen,
-                     captured, host, here, words, disk, error, CPU_HEAP if device.type == "cpu" else 1.0)
+                     captured, host, here, words, disk, error, CPU_HEAP if device.type == "cpu" else 1.0, compiled)
 
 
 def resident_bytes() -> int:
@@ -266,7 +270,8 @@ def stage_line(p: Plan, name: str) -> str:
         act = f"activations not measured ({s.error})"
     else:
         alt = "" if s.alt_activations is None else f"; {size(s.alt_activations)} with {ck}={s.alt_every}"
-        act = (f"activations {size(s.activations)} (micro-batch {s.micro} x {s.accum} a step{alt})" +
+        how = ", torch.compile'd" if s.compiled else ""
+        act = (f"activations {size(s.activations)} (micro-batch {s.micro} x {s.accum} a step{how}{alt})" +
                (f" + {size((s.heap - 1) * s.activations)} the heap keeps" if s.heap != 1 else ""))
     parts = [f"weights {size(s.weights)}", f"grads {size(s.grads)}" + (" (one flat fp32 buffer)" if s.captured else ""),
              f"AdamW {size(s.optimizer)}", act,
