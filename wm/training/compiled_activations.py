@@ -71,9 +71,6 @@ class CountingFakeMode(FakeTensorMode):
     def peak(self) -> int:
         return self.storages.peak
 
-    def count(self, t) -> None:
-        self.storages.add(t)
-
     # higher-order ops (checkpoint's rng state, ...) register their fake-tensor rule for FakeTensorMode
     # itself, not for subclasses: take theirs (a rule that hands the op back to the mode gets the parent's)
     supports_higher_order_operators = True
@@ -97,7 +94,7 @@ class CountingFakeMode(FakeTensorMode):
             out = self._largest(func, args, kwargs)
         if self.counting and not self.fused:
             for t in (out if isinstance(out, (tuple, list)) else [out]):
-                self.count(t)
+                self.storages.add(t)
         return out
 
     def _largest(self, func, args, kwargs):
@@ -185,7 +182,7 @@ def _runner(gm: fx.GraphModule, mode: CountingFakeMode):
                     if reused is not None:
                         del env[reused]  # freed before the output is counted: the kernel writes in place
                     if out is not None:
-                        mode.count(out)
+                        mode.storages.add(out)
                     del out
             for d in drop.get(at[n], ()):
                 env.pop(d, None)
