@@ -19,6 +19,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # slower. Set before torch is imported; a test that wants more threads asks for them.
     _ONE_THREAD = "OMP_NUM_THREADS" not in os.environ
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Inductor's pool of compile workers (each a process importing torch) costs more than it saves
+    # on the tiny graphs here, with both cores already busy
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 else:
     _ONE_THREAD = False
 

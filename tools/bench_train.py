@@ -102,7 +102,7 @@ from wm.checkpoint.run_folder import Run  # noqa: E402
 from wm.config.loading import load as load_config, to_dict
 from wm.config.sections import model_options  # noqa: E402
 from wm.models.tokenizer import Tokenizer  # noqa: E402
-from wm.training.host_gc import GCPauses, StepGC  # noqa: E402
+from wm.training.host_gc import GCPauses, StepGC, freeze_imports  # noqa: E402
 import wm.training.loop as L  # noqa: E402
 import wm.training.main as T  # noqa: E402
 import wm.training.stages as S  # noqa: E402
@@ -920,4 +920,5 @@ def ensure_tokenizer_checkpoint(run: Run, dist: distributed.Dist) -> None:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # as train.py does: the collector's pauses timed as training has them
     run_cli(main)

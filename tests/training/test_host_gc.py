@@ -131,3 +131,18 @@ def test_a_negative_gc_every_is_refused():
 
     with pytest.raises(ConfigError, match=r"ddp.gc_every.*-1 must be >= 0"):
         load(None, ["ddp.gc_every=-1"])
+
+
+def test_what_is_alive_at_the_start_is_frozen_and_what_training_makes_is_still_collected():
+    """train.py freezes its imports: a full collection then skips them, and a cycle made afterwards
+    is still freed."""
+    from wm.training.host_gc import freeze_imports
+
+    alive = Node()
+    frozen = gc.get_freeze_count()
+    freeze_imports()
+    assert gc.get_freeze_count() > frozen and not any(o is alive for o in gc.get_objects())
+    made = cycle()
+    with StepGC(every=1) as g:
+        g.full()
+    assert made() is None

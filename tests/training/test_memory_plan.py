@@ -176,6 +176,14 @@ def test_a_resume_reads_the_activations_its_run_measured_instead_of_tracing_agai
     A.read_measured(tmp_path)
     again = M.plan(cfg, 1, CPU, None)
     assert traced == each and again.stages == first.stages
+    # the run moved, its data copied to another disk, its schedule longer: no trace reads them
+    moved = tiny("run.name=elsewhere", "run.out_dir=/mnt/other", "data.root=/mnt/fast/copy",
+                 "tokenizer_stage.max_steps=99", "tokenizer_stage.lr=1e-5", "world_stage.epochs=7")
+    assert M.plan(moved, 1, CPU, None).stages == first.stages and traced == each
+    M.plan(tiny("tokenizer_stage.freeze=encoder"), 1, CPU, None, todo=("tokenizer",))  # fewer gradients
+    M.plan(tiny("data.use_mask=true"), 1, CPU, None, todo=("tokenizer",))  # another batch
+    assert traced[len(each):] == ["tokenizer"] * 4
+    del traced[len(each):]
     M.plan(tiny("tokenizer.widths=[8]"), 1, CPU, None)  # what the model computes changed: traced anew
     assert traced[len(each):] == each
     (tmp_path / A.MEASURED).write_text('{"activations": [1, 2]}')

@@ -5,8 +5,9 @@ create and subtracts them when they are freed. In fp32 on a CPU the meta device 
 faster (its attention is the math path's: an upper bound). A torch.compile'd step keeps fewer
 tensors: wm.training.compiled_activations measures that one. Validation (no gradients) is not in it.
 
-What was measured is kept in the run folder (`memory_plan.json`, keyed by the whole config, the
-device kind, the precision and torch's version), so a resume reads it instead of tracing again.
+What was measured is kept in the run folder (`memory_plan.json`, keyed by what a trace reads: the
+model's sections and options, the batch's shapes, the device kind, the precision and torch's
+version), so a resume reads it instead of tracing again, wherever the run and its data now lie.
 """
 
 from __future__ import annotations
@@ -180,17 +181,23 @@ def measure_step(cfg: Config, name: str, micro: int, device: torch.device, dtype
         return peak.peak
 
 
-# measured activations by what they depend on, so a resume (a fresh node's included) reads the
-# traces its first process ran instead of running them again (seconds of fake-tensor tracing each)
+# measured activations by what they depend on, so a resume (a fresh node's included, its data.root
+# and run folder elsewhere) reads the traces its first process ran instead of running them again
+# (seconds of fake-tensor tracing each)
 MEASURED = "memory_plan.json"
 _measured: dict[str, int] = {}
 
 
 def _step_key(cfg: Config, name: str, micro: int, device: torch.device, dtype, every: Optional[int],
               compiled: bool) -> str:
+    """What measure_step reads (_model, batch_shapes and how the step runs), and nothing else: the
+    run's name, folders, schedule and logging never reach a trace."""
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    what = {"cfg": to_dict(cfg), "stage": name, "micro": micro, "device": dev, "dtype": str(dtype),
-            "every": every, "torch": torch.__version__, **({"compiled": True} if compiled else {})}
+    what = {"tokenizer": to_dict(cfg.tokenizer), "world": to_dict(cfg.world), "classes": cfg.data.num_classes,
+            "grid": list(cfg.data.grid), "options": model_options(cfg, name),
+            "freeze": list(getattr(cfg, f"{name}_stage").freeze), "batch": batch_shapes(cfg, name, micro),
+            "stage": name, "micro": micro, "device": dev, "dtype": str(dtype), "every": every,
+            "torch": torch.__version__, **({"compiled": True} if compiled else {})}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 

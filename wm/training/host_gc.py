@@ -5,12 +5,21 @@ whenever one process's allocation counts say so: one rank's host stalls, its GPU
 queued work, and every other rank waits for it at the next all-reduce, a pause that grows with the
 number of ranks. Off while a stage trains, with the young generations collected every `every` steps
 and everything at each validation (where the ranks wait for each other anyway), the pauses are
-short and happen on all ranks at once."""
+short and happen on all ranks at once. What the process imported (torch's modules, for the life of
+the process) is frozen out of the collector's sight first: a full collection then scans what
+training made, not the import graph."""
 
 from __future__ import annotations
 
 import gc
 import time
+
+
+def freeze_imports() -> None:
+    """Move every object alive now into the collector's permanent generation (import leaves little
+    garbage, so no collection first): called once, after the imports, by the entry point, never by
+    a library call, which would freeze its caller's objects for good."""
+    gc.freeze()
 
 
 class StepGC:
