@@ -33,18 +33,18 @@ if _ONE_THREAD:
 from helpers import ROOT, Tiny, shared_once  # noqa: E402
 
 
-# Rough seconds of the long test files under `bash .ci/run` (2 workers, 2 cores). pytest-xdist's
+# Rough wall seconds of the long test files on 2 workers and 2 cores (the README's test command). pytest-xdist's
 # --dist loadfile hands a worker the next file when it is almost done with its own, in collection
 # order (pytest_configure turns off xdist's own reordering, by number of tests, which put the few-test
 # long files last). Collected longest first, no long file starts near the end while the other worker
 # runs out of files. Approximate is enough; files not named (a few seconds each) follow in their order.
 FILE_SECONDS = {
-    "test_distributed.py": 180, "test_int8.py": 160, "test_train.py": 105, "test_sweep.py": 85,
-    "test_export.py": 75, "test_aoti.py": 65, "test_recipe.py": 45, "test_gpu_check.py": 43,
-    "test_memory_plan.py": 42, "test_tools.py": 37, "test_attack.py": 33, "test_reliability.py": 32,
-    "test_finetune.py": 31, "test_bench_train.py": 28, "test_int8_sensitivity.py": 27, "test_evaluate.py": 24,
-    "test_reliability4.py": 22, "test_compare.py": 21, "test_ckpt_checks.py": 18, "test_worker_errors.py": 17,
-    "test_world.py": 16, "test_tokenizer.py": 14, "test_bench_recipe.py": 13, "test_runlock.py": 12,
+    "test_distributed.py": 170, "test_int8.py": 165, "test_train.py": 100, "test_export.py": 85, "test_aoti.py": 60,
+    "test_sweep.py": 60, "test_recipe.py": 36, "test_gpu_check.py": 35, "test_reliability.py": 32, "test_tools.py": 28,
+    "test_int8_sensitivity.py": 28, "test_finetune.py": 26, "test_memory_plan.py": 22, "test_evaluate.py": 22,
+    "test_compiled_activations.py": 22, "test_bench_train.py": 20, "test_attack.py": 15, "test_worker_errors.py": 16,
+    "test_compare.py": 16, "test_world.py": 14, "test_reliability4.py": 14, "test_tokenizer.py": 12,
+    "test_ckpt_checks.py": 8, "test_runlock.py": 8,
 }
 
 

@@ -34,7 +34,9 @@ def rows(out: str) -> dict:
 def test_on_a_cpu_every_step_check_runs_with_gloo_and_passes(tiny):
     sets = [a for k, v in TINY_SETTINGS.items() if k not in ("train.device", "train.stages")
             for a in ("--set", f"{k}={v}")]
-    r = gpu_check("--device", "cpu", "--backend", "aot_eager", "--allreduce-mib", "4", "--data", str(tiny.data),
+    # Dynamo's capture alone (backend eager): this is the tool's table and its DDP path; AOTAutograd
+    # under DDP is test_distributed.py's compiled DDP test, Inductor the GPU run's
+    r = gpu_check("--device", "cpu", "--backend", "eager", "--allreduce-mib", "4", "--data", str(tiny.data),
                   "--read-seconds", "1", "--set", "train.stages=tokenizer,world", *sets)
     assert r.returncode == 0, r.stdout + r.stderr
     got = rows(r.stdout)

@@ -743,14 +743,14 @@ def test_world_crop_trains_on_one_random_square_of_the_token_map():
 
 def test_logged_rate_leaves_out_the_validation_time(tiny, restore_signals, one_thread, monkeypatch):
     """perf/samples_per_s after a validation counts the training steps only: a validation that
-    takes 2 s must not show up as a slow training interval."""
+    takes 2 s must not show up as a slow training interval (the clock moved on 2 s, not slept)."""
     import time
 
     slept = []
-    real = TokenizerStage.evaluate
+    real, clock = TokenizerStage.evaluate, time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: clock() + 2.0 * len(slept))
 
     def slow_evaluate(self, *a, **kw):
-        time.sleep(2.0)
         slept.append(True)
         return real(self, *a, **kw)
 
@@ -869,12 +869,12 @@ def test_the_compiled_tokenizer_has_channels_last_weights_as_inductor_runs_its_c
 
 def test_the_first_steps_time_is_logged_apart_and_the_rate_after_it_is_the_steady_one(tiny, monkeypatch, capsys,
                                                                                         restore_signals):
-    real, calls = L.train_step, []
+    real, calls, clock = L.train_step, [], time.perf_counter
+    # the first step takes 2 s more, as a compilation would: the clock moves on 2 s during it
+    monkeypatch.setattr(time, "perf_counter", lambda: clock() + 2.0 * bool(calls))
 
     def slow_first(*a, **kw):
         calls.append(1)
-        if len(calls) == 1:
-            time.sleep(2.0)  # as a compilation would
         return real(*a, **kw)
 
     monkeypatch.setattr(L, "train_step", slow_first)
