@@ -16,7 +16,7 @@ CHECK = r"""
 import sys, torch
 sys.path[:0] = [{root!r}]
 from wm.config.models import TokenizerConfig
-    from wm.models.tokenizer import Tokenizer
+from wm.models.tokenizer import Tokenizer
 dev = {dev!r}
 grid, classes = (8, 16, 3), 6
 for weighted, masked, lovasz in ((False, False, 1.0), (True, False, 1.0), (False, True, 1.0), (True, True, 0.0)):
