@@ -215,9 +215,9 @@ def test_a_one_off_cost_the_flop_count_leaves_is_not_timed(tiny, tmp_path, B, mo
     # out for the eager pass, refilled by the next compiled step): an untimed step must take it
     import wm.training.loop as L
 
-    count, step, armed, slept = L.count_flops, L.train_step, [False], []
+    count, step, armed, one_offs = L.count_flops, L.train_step, [False], []
     clock = time.perf_counter  # the one-off: the clock moves on 1.5 s in that step
-    monkeypatch.setattr(time, "perf_counter", lambda: clock() + 1.5 * len(slept))
+    monkeypatch.setattr(time, "perf_counter", lambda: clock() + 1.5 * len(one_offs))
 
     def counting(*a, **k):
         armed[0] = True
@@ -226,7 +226,7 @@ def test_a_one_off_cost_the_flop_count_leaves_is_not_timed(tiny, tmp_path, B, mo
     def stepping(*a, **k):
         if armed[0]:
             armed[0] = False
-            slept.append(True)
+            one_offs.append(True)
         return step(*a, **k)
 
     monkeypatch.setattr(L, "count_flops", counting)
@@ -235,7 +235,7 @@ def test_a_one_off_cost_the_flop_count_leaves_is_not_timed(tiny, tmp_path, B, mo
     assert B.main(tiny.args(out="bench1") + ["--stages", "tokenizer", "--variants", "fp32-b1", "--steps", "3",
                                              "--warmup", "1", "--json", str(out)]) == 0
     r = [r for r in json.loads(out.read_text())["results"] if r.get("status") == "ok"][0]
-    assert slept == [True]
+    assert one_offs == [True]
     assert max(r["step_ms_each"]) < 1000, r["step_ms_each"]  # a tiny step takes milliseconds
     assert r["warmup"] == 2  # the step after the count is untimed
     assert r["cuda_malloc_calls"] is None and r["alloc_retries"] is None  # CUDA's allocator only
